@@ -1,0 +1,1 @@
+"""Kernels (Triton, fbgemm glue) used by graphshard's sharded embedding passes."""
