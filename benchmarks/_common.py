@@ -1,0 +1,381 @@
+"""Shared helpers for graphshard's distributed benchmarks.
+
+Two halves, used by different processes:
+
+* Worker side (inside a ``torchrun`` process): `init_dist`, `time_steps`,
+  `peak_live_bytes`, `live_tensor_bytes`, `peak_rss_mib`, `dynamo_counts`,
+  `gather_to_rank0`, `progress`.
+* Driver side (the plain ``python`` process that launches one ``torchrun`` per
+  run): `launch`, `median`, `paired_ratio`, `markdown_table`, `fmt`.
+
+Benchmarks may use private torch APIs (the profiler's kineto results, dynamo
+counters); library code may not.
+
+The worker/driver protocol is deliberately small: the worker prints
+``@@progress <done> <total> <phase>`` lines on rank 0's stdout (the driver turns
+them into a progress bar) and rank 0 writes one JSON object to ``--out``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+PROGRESS_TAG = "@@progress"
+
+# --------------------------------------------------------------------------- worker side
+
+
+@dataclass
+class DistCtx:
+    rank: int
+    world: int
+    local_rank: int
+    device: Any  # torch.device
+    backend: str
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+
+def init_dist() -> DistCtx:
+    """Initialise the default process group: NCCL on GPUs, gloo on CPU."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+    return DistCtx(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def barrier(ctx: DistCtx) -> None:
+    import torch.distributed as dist
+
+    if ctx.backend == "nccl":
+        dist.barrier(device_ids=[ctx.local_rank])
+    else:
+        dist.barrier()
+
+
+def progress(ctx: DistCtx, done: int, total: int, phase: str) -> None:
+    """Report progress to the driver (rank 0 only)."""
+    if ctx.rank == 0:
+        print(f"{PROGRESS_TAG} {done} {total} {phase}", flush=True)
+
+
+def time_steps(
+    ctx: DistCtx,
+    step: Callable[[int], float],
+    warmup: int,
+    steps: int,
+) -> tuple[float, list[float], list[float]]:
+    """Run ``1 + warmup + steps`` steps; ``step(i)`` runs step ``i`` and returns its loss.
+
+    Every step starts after a barrier (not timed) so ranks enter it together,
+    and is timed with ``perf_counter`` (plus a device sync on GPU). Returns the
+    first step's time (compile, lazy init), the times of the ``steps`` measured
+    steps (warmup steps are dropped), and the loss of every step.
+    """
+    total = 1 + warmup + steps
+    times, losses = [], []
+    for i in range(total):
+        progress(ctx, i, total, "compile" if i == 0 else ("warmup" if i <= warmup else "steps"))
+        barrier(ctx)
+        sync(ctx.device)
+        t0 = time.perf_counter()
+        loss = step(i)
+        sync(ctx.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    progress(ctx, total, total, "memory")
+    return times[0], times[1 + warmup :], losses
+
+
+def live_tensor_bytes(device_type: str = "cpu") -> int:
+    """Bytes of distinct tensor storages reachable from Python on ``device_type``.
+
+    Walks the garbage collector's objects; storages are deduplicated by data
+    pointer (views, tied weights, a DTensor's local shard and its Parameter
+    wrapper count once). Wrapper subclasses (DTensor) and fake/meta tensors
+    have no storage of their own and are skipped; their inner tensors are
+    found as objects in their own right. Storages resized to 0 (freed
+    FSDP-style) count 0.
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    gc.collect()
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        try:
+            if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor):
+                continue
+            if is_traceable_wrapper_subclass(obj):
+                continue
+            st = obj.untyped_storage()
+            if st.device.type != device_type:
+                continue
+            ptr = st.data_ptr()
+            if ptr:
+                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        except Exception:  # exotic tensor types (functional, sparse): skip
+            continue
+    return sum(seen.values())
+
+
+def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> int:
+    """Peak of net CPU allocations made while running ``fn`` (bytes above its start).
+
+    Uses the profiler's memory events (``profile_memory=True``): every
+    allocation and free through c10's CPU allocator is reported, including
+    those made by Inductor-generated code, which a TorchDispatchMode would not
+    see. Frees of blocks allocated before ``fn`` started are not reported, so
+    the result can only over-estimate.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()  # private: benchmark-only
+        if e.name() == "[memory]" and e.device_type().name == "CPU"
+    ]
+    events.sort(key=lambda x: x[0])
+    cur = peak = 0
+    for _, nbytes in events:
+        cur += nbytes
+        peak = max(peak, cur)
+    return peak
+
+
+def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, str]:
+    """Peak live tensor bytes during one call of ``fn`` (one training step).
+
+    Returns ``(peak, resident, method)``: ``resident`` is what is live at the
+    step boundary (parameters, optimizer state, any persistent buffers).
+
+    * GPU: ``torch.cuda.max_memory_allocated`` after a peak reset (the caching
+      allocator's live bytes, not its reserved pool).
+    * CPU: ``live_tensor_bytes`` at the step boundary plus the peak of the
+      step's net allocations from the profiler (`_cpu_profiled_peak_delta`).
+    """
+    import torch
+
+    if ctx.device_type == "cuda":
+        sync(ctx.device)
+        resident = torch.cuda.memory_allocated(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        fn()
+        sync(ctx.device)
+        return torch.cuda.max_memory_allocated(ctx.device), resident, "cuda.max_memory_allocated"
+    resident = live_tensor_bytes("cpu")
+    return resident + _cpu_profiled_peak_delta(fn), resident, "gc-live-storages+profiler-cpu-alloc"
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set size (``ru_maxrss``, KiB on Linux) in MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def dynamo_counts() -> dict[str, int]:
+    """Graph breaks and graphs compiled by dynamo in this process (private counters)."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return {}
+    return {
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+    }
+
+
+def graph_break_reasons(limit: int = 5) -> list[str]:
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return []
+    return [f"{n}x {r[:200]}" for r, n in counters["graph_break"].most_common(limit)]
+
+
+def gather_to_rank0(obj: Any) -> list[Any] | None:
+    """``all_gather_object`` of a small picklable object; the list on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out if dist.get_rank() == 0 else None
+
+
+def write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def launch(
+    script: str,
+    args: Sequence[str],
+    *,
+    nproc: int,
+    log_path: str,
+    env: dict[str, str] | None = None,
+    fresh_compile_cache: bool = True,
+    timeout: float = 3600.0,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``torchrun --standalone --nproc-per-node nproc script args --out <tmp>``.
+
+    Streams stdout+stderr into ``log_path``, calls ``on_progress`` for every
+    ``@@progress`` line, and returns the JSON rank 0 wrote (or a
+    ``{"status": "failed", ...}`` record). With ``fresh_compile_cache`` the
+    Inductor/Triton caches point at a new empty directory, so every run pays
+    a cold compile, as the first run in a fresh environment would.
+    """
+    tmp = tempfile.mkdtemp(prefix="gsbench_")
+    out = os.path.join(tmp, "result.json")
+    run_env = dict(os.environ if env is None else env)
+    run_env["PYTHONUNBUFFERED"] = "1"
+    if fresh_compile_cache:
+        run_env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+        run_env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           script, *args, "--out", out]
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        with open(log_path, "w") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
+                                    start_new_session=True)
+            # A hung collective must not hang the driver: kill the run's own process group.
+            watchdog = threading.Timer(timeout, lambda: _kill_group(proc))
+            watchdog.start()
+            assert proc.stdout is not None
+            try:
+                for line in proc.stdout:
+                    log.write(line)
+                    if line.startswith(PROGRESS_TAG) and on_progress is not None:
+                        _, done, total, phase = line.split(maxsplit=3)
+                        on_progress(int(done), int(total), phase.strip())
+                rc = proc.wait()
+            except BaseException:  # Ctrl-C in the driver: take the run down with it
+                _kill_group(proc)
+                raise
+            finally:
+                watchdog.cancel()
+        wall = time.perf_counter() - t0
+        if os.path.exists(out):
+            with open(out) as f:
+                res = json.load(f)
+        else:
+            res = {"status": "failed", "reason": f"exit code {rc}, no result; see {log_path}"}
+        res["launch_wall_s"] = wall
+        res["log"] = log_path
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def median(xs: Iterable[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> float | None:
+    """Median over repetitions of ``num[i] / den[i]``: runs adjacent in time are paired,
+    which cancels most of the drift between launches."""
+    return median(a / b for a, b in zip(num, den) if a is not None and b)
+
+
+def fmt(x: Any, nd: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[fmt(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def plot_lines(
+    x: Sequence[float],
+    panels: dict[str, dict[str, Sequence[float | None]]],
+    path: str,
+    *,
+    xlabel: str,
+    title: str = "",
+) -> str | None:
+    """One subplot per ``panels`` entry (title -> {series label -> y values}); saves a PNG.
+
+    Returns the path, or None when matplotlib is missing (``pip install .[bench]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        for label, ys in series.items():
+            pts = [(a, b) for a, b in zip(x, ys) if b is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        ax.set_title(name)
+        ax.set_xlabel(xlabel)
+        ax.set_xticks(list(x))
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    axes[0][0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

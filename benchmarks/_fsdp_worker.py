@@ -1,0 +1,208 @@
+"""One FSDP benchmark run: launched by ``bench_fsdp.py`` as
+``torchrun --standalone --nproc-per-node N benchmarks/_fsdp_worker.py --variant X --layers L --out F``.
+
+Builds the reference `Transformer` with the same seed on every rank, shards it
+the way the variant says, trains ``1 + warmup + steps`` AdamW steps on the
+rank's slice of the deterministic global batch, measures one more step for
+memory, gathers per-rank figures to rank 0 and writes them to ``--out`` as JSON.
+
+Variants (see `VARIANTS`):
+
+* ``fsdp2``                 ``fully_shard`` on every block, then the root; eager.
+* ``fsdp2_compile_root``    as ``fsdp2``, then ``torch.compile`` of the sharded root.
+* ``fsdp2_compile_blocks``  ``block.compile()`` on every block, then ``fully_shard`` (torchtitan's recipe).
+* ``fsdp1``                 ``FullyShardedDataParallel``, one unit per block, ``use_orig_params=True``.
+* ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
+
+A variant that cannot be built here (graphshard without ``compile``) raises
+`Unavailable`; the run then reports ``status: unavailable`` and exits cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch  # noqa: E402
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Unavailable(Exception):
+    """The variant cannot run in this environment (reported, not an error)."""
+
+
+def _make_step(module: Callable, params, lr: float) -> StepFn:
+    """One training step: forward, loss, backward, AdamW step, zero_grad(set_to_none)."""
+    opt = torch.optim.AdamW(params, lr=lr)
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = lm_loss(module(tokens), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def build_fsdp2(model, mesh, lr, *, compile_root=False, compile_blocks=False) -> StepFn:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        if compile_blocks:
+            block.compile()
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    module = torch.compile(model) if compile_root else model
+    return _make_step(module, model.parameters(), lr)
+
+
+def build_fsdp1(model, mesh, lr) -> StepFn:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    dev = mesh.device_type
+    fsdp = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=True,
+        # An explicit CPU device_id is FSDP1's (only) way to run without an accelerator.
+        device_id=torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu"),
+    )
+    return _make_step(fsdp, fsdp.parameters(), lr)
+
+
+def build_graphshard(model, mesh, lr) -> StepFn:
+    try:
+        import graphshard
+    except Exception as e:  # noqa: BLE001
+        raise Unavailable(f"import graphshard failed: {e!r}") from e
+    missing = [n for n in ("compile", "Plan", "FullyShard") if not hasattr(graphshard, n)]
+    if missing:
+        raise Unavailable(f"graphshard has no {', '.join(missing)} yet")
+    plan = graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+    compiled = graphshard.compile(model, plan)
+    params = compiled.parameters() if hasattr(compiled, "parameters") else model.parameters()
+    return _make_step(compiled, params, lr)
+
+
+VARIANTS: dict[str, Callable[..., StepFn]] = {
+    "fsdp2": build_fsdp2,
+    "fsdp2_compile_root": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_root=True),
+    "fsdp2_compile_blocks": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_blocks=True),
+    "fsdp1": build_fsdp1,
+    "graphshard": build_graphshard,
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", required=True, choices=sorted(VARIANTS))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8, help="sequences per rank")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--data-world", type=int, default=None,
+                   help="world size the global batch is cut for (default: this run's); a world-1 floor "
+                        "run passes the nominal world so rank 0 sees the same sequences")
+    p.add_argument("--out", required=True, help="JSON result path (written by rank 0)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
+    data_world = args.data_world or ctx.world
+    lo, hi = ctx.rank * args.batch, (ctx.rank + 1) * args.batch
+
+    def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = token_batch(i, args.batch * data_world, args.seq, args.vocab, seed=args.seed)
+        return x[lo:hi].to(ctx.device), y[lo:hi].to(ctx.device)
+
+    t0 = time.perf_counter()
+    mesh = init_device_mesh(ctx.device_type, (ctx.world,), mesh_dim_names=("dp",))
+    cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4,
+                            max_seq_len=args.seq)
+    torch.manual_seed(args.seed)
+    model = Transformer(cfg).to(ctx.device)
+    step_fn = VARIANTS[args.variant](model, mesh, args.lr)
+    C.barrier(ctx)
+    setup_s = time.perf_counter() - t0
+
+    first_s, times, losses = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
+    mem_step = 1 + args.warmup + args.steps
+    peak, resident, mem_method = C.peak_live_bytes(ctx, lambda: step_fn(*batch(mem_step)))
+
+    mine = {
+        "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times,
+        "losses": losses, "peak_live_bytes": peak, "resident_bytes": resident,
+        "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
+    }
+    ranks = C.gather_to_rank0(mine)
+    if ranks is None:
+        return None
+    mib = 1 / 2**20
+    step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(len(times))]
+    return {
+        "status": "ok",
+        "world": ctx.world,
+        "data_world": data_world,
+        "setup_s": max(r["setup_s"] for r in ranks),
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+        "step_times_s": step_times,  # per step: the slowest rank
+        "step_s": C.median(step_times),
+        "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(losses))],
+        "peak_live_mib": max(r["peak_live_bytes"] for r in ranks) * mib,
+        "resident_mib": max(r["resident_bytes"] for r in ranks) * mib,
+        "rss_mib": max(r["rss_mib"] for r in ranks),
+        "graph_breaks": ranks[0].get("graph_breaks"),
+        "unique_graphs": ranks[0].get("unique_graphs"),
+        "graph_break_reasons": C.graph_break_reasons(),
+        "mem_method": mem_method,
+        "per_rank": ranks,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = C.init_dist()
+    base = {
+        "variant": args.variant, "layers": args.layers, "batch_per_rank": args.batch, "seq": args.seq,
+        "warmup": args.warmup, "steps": args.steps, "device": str(ctx.device), "backend": ctx.backend,
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+    rc = 0
+    try:
+        res = run(args, ctx)
+        if res is not None:
+            C.write_json(args.out, {**base, **res})
+    except Unavailable as e:  # raised identically on every rank, before any collective
+        if ctx.rank == 0:
+            C.write_json(args.out, {**base, "status": "unavailable", "reason": str(e)})
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        if ctx.rank == 0:
+            C.write_json(args.out, {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"[:2000]})
+        rc = 1
+    if rc == 0:
+        dist.destroy_process_group()
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

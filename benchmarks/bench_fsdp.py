@@ -1,0 +1,278 @@
+"""Side-by-side FSDP benchmark: graphshard against torch's FSDP2 (eager and compiled) and FSDP1.
+
+    python benchmarks/bench_fsdp.py --reps 2 --layers 4     # comparison table and ratios
+    python benchmarks/bench_fsdp.py --sweep                 # step/compile/memory vs depth 2, 4, 8 + PNG
+    python benchmarks/bench_fsdp.py --quick                 # smoke run: 1 rep, 1 warmup + 3 steps
+
+The driver launches one ``torchrun`` per (variant, depth, repetition) running
+``_fsdp_worker.py``, so every run starts from a fresh process (peak RSS is
+per run, compile caches are cold). Runs are interleaved A B C A B C: the
+machine drifts between launches, and ratios are taken between runs of the
+same repetition, then the median over repetitions. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_fsdp_worker.py")
+REPO = os.path.dirname(HERE)
+
+COMPILE_PEERS = ("fsdp2_compile_root", "fsdp2_compile_blocks")
+DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1")
+SWEEP_VARIANTS = ("fsdp2", *COMPILE_PEERS, "graphshard")
+WS1 = "_ws1"  # suffix: the same variant launched with one process (the no-communication floor)
+
+# (metric, peer, target): subject/peer ratios printed beside these targets (never asserted).
+TARGETS = {
+    ("step_s", "fsdp2"): 0.80,
+    ("step_s", "fsdp2_compile"): 0.95,
+    ("peak_live_mib", "fsdp2"): 1.00,
+    ("ttfs_s", "fsdp2_compile"): 1.00,
+}
+
+METRICS = [  # key, column header
+    ("step_s", "step s (median)"),
+    ("first_step_s", "1st step s"),
+    ("ttfs_s", "setup+1st s"),
+    ("peak_live_mib", "peak live MiB"),
+    ("resident_mib", "resident MiB"),
+    ("rss_mib", "peak RSS MiB"),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4, help="depth for the comparison table")
+    p.add_argument("--sweep", action="store_true", help="depth sweep instead of the comparison")
+    p.add_argument("--depths", default="2,4,8", help="depths for --sweep")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 2; --quick: 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (default 2; --quick: 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 8; --quick: 3)")
+    p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and one repetition")
+    p.add_argument("--variants", default=None,
+                   help=f"comma list (default {','.join(DEFAULT_VARIANTS)}; sweep: {','.join(SWEEP_VARIANTS)}); "
+                        f"append {WS1} to run any variant with one process")
+    p.add_argument("--subject", default="graphshard",
+                   help="variant whose ratios to the peers are reported (e.g. fsdp2_compile_blocks to check the "
+                        "report while graphshard is unavailable)")
+    p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: OMP_NUM_THREADS per rank, also for world-1 runs (default cores // nproc)")
+    p.add_argument("--warm-cache", action="store_true",
+                   help="share Inductor/Triton caches between runs (default: a cold cache per run)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "bench_out"))
+    a = p.parse_args(argv)
+    a.reps = a.reps or (1 if a.quick else 2)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+    a.steps = a.steps or (3 if a.quick else 8)
+    default = SWEEP_VARIANTS if a.sweep else DEFAULT_VARIANTS
+    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else list(default)
+    a.depths = [int(d) for d in a.depths.split(",")] if a.sweep else [a.layers]
+    return a
+
+
+def device_setup(args) -> tuple[int, dict[str, str], str]:
+    """World size, launch environment and a description of the hardware."""
+    import torch
+
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        n = args.nproc or torch.cuda.device_count()
+        return n, env, f"{n}x {torch.cuda.get_device_name(0)} (nccl)"
+    n = args.nproc or 2
+    cores = os.cpu_count() or 1
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", 0)) or max(1, cores // n)
+    env["OMP_NUM_THREADS"] = str(threads)
+    return n, env, f"{n} CPU ranks x {threads} thread(s) on {cores} cores (gloo)"
+
+
+def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
+    """Launch every (rep, depth, variant) run in interleaved order; one progress bar per run."""
+    from tqdm import tqdm
+
+    plan = [(r, d, v) for r in range(args.reps) for d in args.depths for v in args.variants]
+    unavailable: dict[str, str] = {}
+    records = []
+    outer = tqdm(total=len(plan), desc="runs", position=0, dynamic_ncols=True)
+    for rep, layers, variant in plan:
+        base = variant.removesuffix(WS1)
+        rec = {"variant": variant, "layers": layers, "rep": rep}
+        if base in unavailable:  # no need to launch it again to be told so
+            records.append({**rec, "status": "unavailable", "reason": unavailable[base]})
+            outer.update()
+            continue
+        world = 1 if variant.endswith(WS1) else nproc
+        worker_args = ["--variant", base, "--layers", str(layers), "--warmup", str(args.warmup),
+                       "--steps", str(args.steps), "--data-world", str(nproc)]
+        bar = tqdm(total=1 + args.warmup + args.steps, desc=f"  {variant} L{layers} rep{rep}", position=1,
+                   leave=False, dynamic_ncols=True)
+
+        def on_progress(done: int, total: int, phase: str, bar=bar) -> None:
+            bar.total, bar.n = total, done
+            bar.set_postfix_str(phase, refresh=True)
+
+        res = C.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
+                       fresh_compile_cache=not args.warm_cache, on_progress=on_progress,
+                       log_path=os.path.join(args.out_dir, "logs", f"fsdp_{variant}_L{layers}_r{rep}.log"))
+        bar.close()
+        res.update(rec)
+        if res["status"] == "ok":
+            res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
+            msg = (f"{variant:22s} L{layers} rep{rep}: step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  "
+                   f"peak live {res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB")
+        else:
+            if res["status"] == "unavailable":
+                unavailable[base] = res.get("reason", "")
+            msg = f"{variant:22s} L{layers} rep{rep}: {res['status']}: {res.get('reason', '')}"
+        outer.write(msg)
+        records.append(res)
+        outer.update()
+    outer.close()
+    return records
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def per_rep(records, variant: str, layers: int, key: str, reps: int) -> list[float | None]:
+    """``key`` of each repetition of (variant, layers), None where the run did not succeed."""
+    out: list[float | None] = [None] * reps
+    for r in records:
+        if r["variant"] == variant and r["layers"] == layers and r.get("status") == "ok":
+            out[r["rep"]] = r.get(key)
+    return out
+
+
+def status_of(records, variant: str, layers: int) -> str:
+    sts = [r.get("status") for r in records if r["variant"] == variant and r["layers"] == layers]
+    if sts and all(s == "ok" for s in sts):
+        return "ok"
+    bad = next((r for r in records if r["variant"] == variant and r["layers"] == layers
+                and r.get("status") != "ok"), None)
+    return f"{bad['status']} ({sum(s == 'ok' for s in sts)}/{len(sts)} ok)" if bad else "-"
+
+
+def best_compile(records, layers: int, reps: int) -> str | None:
+    """The faster torch.compile variant of FSDP2 at this depth (median step time)."""
+    meds = {v: C.median(per_rep(records, v, layers, "step_s", reps)) for v in COMPILE_PEERS}
+    meds = {v: m for v, m in meds.items() if m is not None}
+    return min(meds, key=meds.get) if meds else None
+
+
+def variant_table(records, variants, layers: int, reps: int) -> str:
+    headers = ["variant", "world", "status", *(h for _, h in METRICS), "step s range", "graph breaks", "last loss"]
+    rows = []
+    for v in variants:
+        vals = {k: C.median(per_rep(records, v, layers, k, reps)) for k, _ in METRICS}
+        steps = [s for s in per_rep(records, v, layers, "step_s", reps) if s is not None]
+        ok = [r for r in records if r["variant"] == v and r["layers"] == layers and r.get("status") == "ok"]
+        rows.append([
+            v, ok[0]["world"] if ok else "-", status_of(records, v, layers), *(vals[k] for k, _ in METRICS),
+            f"{min(steps):.3f}-{max(steps):.3f}" if steps else "-",
+            ok[0].get("graph_breaks") if ok else "-",
+            f"{ok[0]['losses'][-1]:.4f}" if ok else "-",
+        ])
+    return C.markdown_table(headers, rows)
+
+
+def ratio_cell(records, subject: str, peer: str, layers: int, reps: int, key: str, target_peer: str):
+    ratio = C.paired_ratio(per_rep(records, subject, layers, key, reps), per_rep(records, peer, layers, key, reps))
+    target = TARGETS.get((key, target_peer))
+    if ratio is None:
+        return "n/a" + (f" (target <= {target:.2f})" if target else "")
+    if target is None:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f} (target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'})"
+
+
+def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dict]:
+    """subject / peer for step time, time to first step and peak live memory; plus overlap efficiency."""
+    peers = [("fsdp2", "fsdp2")]
+    best = best_compile(records, layers, reps)
+    if best:
+        peers.append((best, "fsdp2_compile"))
+    peers.append(("fsdp1", "fsdp1"))
+    rows, out = [], {}
+    for peer, tname in peers:
+        if peer == subject:
+            continue
+        cells = [ratio_cell(records, subject, peer, layers, reps, k, tname)
+                 for k in ("step_s", "ttfs_s", "peak_live_mib", "rss_mib")]
+        label = f"{peer} (faster fsdp2+compile)" if tname == "fsdp2_compile" else peer
+        rows.append([label, *cells])
+        out[peer] = dict(zip(("step_s", "ttfs_s", "peak_live_mib", "rss_mib"), cells))
+    table = C.markdown_table([f"{subject} / peer", "step time", "setup+1st step", "peak live mem", "peak RSS"],
+                             rows)
+    floor = per_rep(records, subject + WS1, layers, "step_s", reps)
+    eff = C.paired_ratio(floor, per_rep(records, subject, layers, "step_s", reps))
+    out["overlap_efficiency"] = eff
+    table += (f"\n\nOverlap efficiency = {subject}{WS1} step / {subject} step "
+              f"(1.0: communication fully hidden): {C.fmt(eff, 2) if eff is not None else 'n/a'}")
+    return table, out
+
+
+def sweep_report(records, args) -> tuple[str, dict]:
+    variants = [v for v in args.variants if not v.endswith(WS1)]
+    sections, panels = [], {}
+    for key, title in (("step_s", "median step time (s)"), ("ttfs_s", "setup + first step (s)"),
+                       ("peak_live_mib", "peak live tensor memory (MiB)"), ("rss_mib", "peak RSS (MiB)")):
+        series = {v: [C.median(per_rep(records, v, d, key, args.reps)) for d in args.depths] for v in variants}
+        rows = [[d, *(series[v][i] for v in variants)] for i, d in enumerate(args.depths)]
+        sections.append(f"### {title}\n\n" + C.markdown_table(["layers", *variants], rows))
+        if key != "rss_mib":
+            panels[title] = series
+    for d in args.depths:
+        if args.subject in variants:
+            sections.append(f"### {args.subject} / peers at {d} layers\n\n"
+                            + ratio_table(records, args.subject, d, args.reps)[0])
+    png = C.plot_lines(args.depths, panels, os.path.join(args.out_dir, "fsdp_sweep.png"), xlabel="layers",
+                       title="FSDP depth sweep (per rank)")
+    return "\n\n".join(sections), {"png": png}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    nproc, env, hw = device_setup(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    header = (f"# FSDP benchmark: {hw}; batch 8/rank x seq 128, AdamW; warmup {args.warmup}, "
+              f"{args.steps} timed steps, {args.reps} rep(s); {'warm' if args.warm_cache else 'cold'} compile cache")
+    print(header)
+    t0 = time.perf_counter()
+    records = run_all(args, nproc, env)
+    if args.sweep:
+        body, extra = sweep_report(records, args)
+        name = "fsdp_sweep"
+    else:
+        layers = args.depths[0]
+        ratios, extra = ratio_table(records, args.subject, layers, args.reps)
+        body = (f"## {layers} layers\n\n" + variant_table(records, args.variants, layers, args.reps)
+                + f"\n\n## Ratios (median over repetitions of paired runs)\n\n{ratios}")
+        best = best_compile(records, layers, args.reps)
+        extra["best_fsdp2_compile"] = best
+        name = "fsdp"
+    report = f"{header}\n\n{body}\n"
+    mem = {r.get("mem_method") for r in records if r.get("mem_method")}
+    report += f"\npeak live memory measured by: {', '.join(sorted(mem)) or '-'}\n"
+    print("\n" + report)
+    with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
+        f.write(report)
+    C.write_json(os.path.join(args.out_dir, name + ".json"),
+                 {"args": vars(args), "hardware": hw, "wall_s": time.perf_counter() - t0,
+                  "summary": extra, "runs": records})
+    print(f"wrote {os.path.join(args.out_dir, name + '.json')}"
+          + (f" and {extra['png']}" if extra.get("png") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

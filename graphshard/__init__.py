@@ -1,0 +1,12 @@
+"""graphshard: a sharding compiler for PyTorch training.
+
+``graphshard.compile(model, plan)`` shards a model's parameters over a
+DeviceMesh and compiles forward and backward into per-rank programs with the
+collectives the plan implies, scheduled to overlap compute, lowered by Inductor.
+"""
+
+from graphshard.api import compile, explain, shard
+from graphshard.config import CompileConfig
+from graphshard.plan import FullyShard, Plan, Replicate, ShardParams
+
+__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "CompileConfig", "shard", "compile", "explain"]

@@ -1,0 +1,72 @@
+"""The only module that touches private torch APIs, gated by version where they moved.
+
+graphshard supports torch >= 2.11. Everything here is a thin alias or adapter,
+so the rest of the package reads as if these were public.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+if TORCH_VERSION < (2, 11):  # pragma: no cover - guarded by pyproject
+    raise ImportError(f"graphshard needs torch >= 2.11, found {torch.__version__}")
+
+# Functional collectives (the ops Inductor knows how to issue asynchronously).
+c10d = torch.ops._c10d_functional
+
+from torch._guards import detect_fake_mode  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402
+from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402,F401  (public)
+
+
+def fake_mode_of(example_inputs) -> FakeTensorMode:
+    mode = detect_fake_mode(example_inputs)
+    if mode is None:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def inductor_decompositions() -> dict:
+    from torch._inductor.decomposition import select_decomp_table
+
+    return dict(select_decomp_table())
+
+
+def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool) -> Callable:
+    """Inductor's compiler for an already partitioned ATen forward or backward graph."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
+    from torch._inductor import config
+
+    return config.patch(**kwargs)
+
+
+def boxed_nop(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+    """The 'eager' lowering: run the graph module as is, in aot_autograd's boxed convention."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def dynamo_counters() -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
+    return counters
+
+
+def fake_process_group_store():
+    """A store for init_process_group('fake', ...), for golden-graph tests."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

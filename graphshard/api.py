@@ -1,0 +1,40 @@
+"""Public entry points: shard(), compile(), explain()."""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import torch.nn as nn
+
+from graphshard.backend import graphshard_backend
+from graphshard.config import CompileConfig
+from graphshard.explain import explain
+from graphshard.plan import Plan
+from graphshard.storage import shard, state_of
+
+
+def compile(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    lower: Literal["inductor", "eager"] = "inductor",
+    limit_all_gathers: int = 2,
+    strict: bool = False,
+    dump_graphs: str | None = None,
+) -> nn.Module:
+    """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
+
+    The module keeps its FQNs (no wrapper prefix); its parameters are sharded
+    DTensors; the first call traces and compiles forward and backward.
+    """
+    config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, strict=strict, dump_graphs=dump_graphs)
+    if state_of(model) is None:
+        shard(model, plan)
+    elif state_of(model).plan is not plan:
+        raise ValueError(f"{type(model).__name__} is already sharded with another plan; shard a fresh model")
+    model.compile(backend=functools.partial(graphshard_backend, config=config))
+    return model
+
+
+__all__ = ["compile", "shard", "explain"]

@@ -1,0 +1,137 @@
+"""The torch.compile backend: ``torch.compile(model, backend="graphshard")``.
+
+Dynamo hands over a graph in torch IR whose sharded parameters are DTensor
+inputs read through ``to_local()`` and the ``graphshard::param`` marker. The
+backend
+
+1. moves the DTensor boundary outside the graph (the compiled callable takes
+   local shards; ``to_local`` runs eagerly, so gradients land on the DTensors);
+2. traces the graph to ATen with fake tensors of logical shape;
+3. runs the pre-autograd passes (logical program -> per-rank SPMD program);
+4. hands the result to aot_autograd, whose partitioner honours the resharding
+   tags, runs the post-partition passes on the forward and backward graphs, and
+   lowers them with Inductor (or runs them as FX with ``lower="eager"``).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor
+
+from graphshard import _compat
+from graphshard.config import CompileConfig
+from graphshard.explain import GraphReport
+from graphshard.ops import decompositions, ops
+from graphshard.params import lookup as lookup_param
+from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
+from graphshard.storage import state_for_key
+
+log = logging.getLogger("graphshard")
+_graph_ids = itertools.count()
+
+
+def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, *,
+                       config: CompileConfig | None = None):
+    """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
+    config = config or CompileConfig(**(options or {}))
+    dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
+    fake_mode = _compat.fake_mode_of(example_inputs)
+    fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
+    traced = _trace_to_aten(gm, fake_inputs, fake_mode)
+    keys = [n.args[1] for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.param.default]
+    state = state_for_key(keys[0]) if keys else None
+    report = GraphReport(index=len(state.explain) if state else next(_graph_ids))
+    if state is not None:
+        state.explain.append(report)
+    ctx = _context(keys, config, report, fake_mode)
+    traced = run_passes(traced, ctx, pre_autograd_passes())
+    compiled = _aot_compile(traced, fake_inputs, ctx)
+    if not dtensor_positions:
+        return compiled
+    positions = frozenset(dtensor_positions)
+
+    def run(*args):
+        return compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
+
+    return run
+
+
+def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
+    """Rewires ``p.to_local()`` to the placeholder itself; returns the DTensor input positions."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    positions = []
+    for i, (ph, x) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(x, DTensor):
+            continue
+        positions.append(i)
+        for user in list(ph.users):
+            if user.op == "call_method" and user.target == "to_local":
+                user.replace_all_uses_with(ph)
+                gm.graph.erase_node(user)
+            else:
+                raise NotImplementedError(
+                    f"graph input {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
+                    "graphshard compiles parameters read through the module attribute; read it as module.<name>"
+                )
+    gm.recompile()
+    return positions
+
+
+def _fake_local(x, fake_mode):
+    if isinstance(x, DTensor):
+        x = x.to_local()
+    if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
+        x = fake_mode.from_tensor(x)
+    return x
+
+
+def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule:
+    with fake_mode, torch.no_grad():
+        traced = _compat.make_fx(fx.Interpreter(gm).run, tracing_mode="real")(*fake_inputs)
+    return traced
+
+
+def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> PassContext:
+    model_parallel, group_axes = {}, {}
+    for key in dict.fromkeys(keys):
+        info = lookup_param(key)
+        for axis, _ in info.model_parallel:
+            model_parallel[axis.name] = axis
+        for axis in [info.shard, *info.replicate, *(a for a, _ in info.model_parallel)]:
+            if axis is not None:
+                group_axes[axis.name] = axis.group_name
+    return PassContext(config=config, infos={}, model_parallel=model_parallel, report=report,
+                       fake_mode=fake_mode, group_axes=group_axes)
+
+
+def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
+    def stage_compiler(stage: str):
+        def compile_graph(g: fx.GraphModule, inputs):
+            ctx.stage = stage
+            g = run_passes(g, ctx, post_partition_passes())
+            if ctx.config.lower == "eager":
+                return _compat.boxed_nop(g, inputs)
+            with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
+                return _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
+        return compile_graph
+
+    decomps = dict(decompositions())
+    if ctx.config.lower == "inductor":
+        decomps = {**_compat.inductor_decompositions(), **decomps}
+    return _compat.aot_module_simplified(
+        gm,
+        fake_inputs,
+        fw_compiler=stage_compiler("forward"),
+        bw_compiler=stage_compiler("backward"),
+        partition_fn=_compat.min_cut_rematerialization_partition,
+        decompositions=decomps,
+    )
+
+
+# Inductor must keep the collective order that schedule_overlap chose.
+_INDUCTOR_SETTINGS = dict(reorder_for_locality=False, reorder_for_peak_memory=False)

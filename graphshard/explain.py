@@ -1,0 +1,71 @@
+"""What the compiler did, per compiled graph: ``graphshard.explain(model)``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CollectiveRecord:
+    kind: str          # all_gather, reduce_scatter, all_reduce, ...
+    axis: str          # mesh axis
+    nbytes: int        # bytes of the (per-rank) input buffer
+    cause: str         # the parameter(s) or node that made it necessary
+    stage: str         # pre_autograd (inserted), forward, backward (lowered)
+
+
+@dataclass
+class GraphReport:
+    index: int
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    units: dict[str, list[str]] = field(default_factory=dict)        # unit -> parameter FQNs
+    order: dict[str, list[str]] = field(default_factory=dict)        # stage -> collective/compute order
+    lowered_order: dict[str, list[str]] = field(default_factory=dict)  # stage -> order in generated code
+    fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [f"graph {self.index}:"]
+        if self.units:
+            lines.append("  units:")
+            for unit, fqns in self.units.items():
+                lines.append(f"    {unit or '<root>'}: {len(fqns)} parameters ({', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''})")
+        for stage in ("pre_autograd", "forward", "backward"):
+            recs = [c for c in self.collectives if c.stage == stage]
+            if not recs:
+                continue
+            lines.append(f"  collectives ({stage}):")
+            for c in recs:
+                lines.append(f"    {c.kind:<15} axis={c.axis:<4} {_fmt_bytes(c.nbytes):>10}  for {c.cause}")
+        for stage, order in self.order.items():
+            lines.append(f"  order after scheduling ({stage}): {' -> '.join(order)}")
+        for stage, order in self.lowered_order.items():
+            lines.append(f"  order in lowered code ({stage}): {' -> '.join(order)}")
+        lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n) -> str:
+    n = int(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def explain(model) -> str:
+    """Returns (and prints) the report of every graph graphshard compiled for ``model``."""
+    from graphshard.storage import state_of
+
+    state = state_of(model)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not sharded by graphshard; call graphshard.compile first")
+    if not state.explain:
+        text = "graphshard: no graph compiled yet; run a step first"
+    else:
+        text = "\n".join(r.format() for r in state.explain)
+    print(text)
+    return text

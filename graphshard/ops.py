@@ -1,0 +1,329 @@
+"""graphshard's custom ops.
+
+``graphshard::param`` is the *marker*: every use of a sharded parameter goes
+through it. Its fake impl has the parameter's LOGICAL shape, so a traced
+program reads as if for one device; its eager impl gathers the parameter (and
+its autograd reduces the gradient), so a sharded model also runs without
+compiling.
+
+The other ops are the collectives that passes insert. Each has an autograd
+formula (so backward collectives come from autograd) and a decomposition into
+``_c10d_functional`` collectives plus ``wait_tensor``, which aot_autograd applies
+while tracing, so the forward and backward graphs hold explicit async
+collectives that the scheduling pass and Inductor can move.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from graphshard._compat import c10d
+from graphshard.params import ParamInfo, chunk_size, lookup
+
+lib = torch.library.Library("graphshard", "DEF")
+lib.define("param(Tensor local, str key, SymInt[] shape) -> Tensor")
+lib.define("unshard(Tensor[] shards, str[] keys) -> Tensor[]")
+lib.define("all_reduce(Tensor x, str group, int world) -> Tensor")
+lib.define("all_gather(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
+lib.define("reduce_scatter(Tensor x, int dim, str group, int world, int rank) -> Tensor")
+lib.define("shard(Tensor x, int dim, str group, int world, int rank) -> Tensor")
+lib.define("grad_all_reduce(Tensor x, str group, int world) -> Tensor")
+lib.define("to_partial(Tensor x, int rank) -> Tensor")
+
+ops = torch.ops.graphshard
+
+
+# --------------------------------------------------------------------------------------------
+# Collective building blocks (plain torch code: run eagerly, or traced into graphs).
+# --------------------------------------------------------------------------------------------
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return c10d.wait_tensor(t)
+
+
+def _all_reduce_sum(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _wait(c10d.all_reduce(x.contiguous(), "sum", group))
+
+
+def _gather_dim(x: torch.Tensor, dim: int, size: int, group: str, world: int) -> torch.Tensor:
+    """All-gather along ``dim`` to ``size`` (torch.chunk layout; short pieces padded, then cut)."""
+    dim = dim % x.dim()
+    c = -(-size // world)
+    if x.shape[dim] != c:
+        pad = [0, 0] * (x.dim() - dim - 1) + [0, c - x.shape[dim]]
+        x = F.pad(x, pad)
+    if dim != 0:
+        x = x.movedim(dim, 0)
+    out = _wait(c10d.all_gather_into_tensor(x.contiguous(), world, group))
+    if out.shape[0] != size:
+        out = out.narrow(0, 0, size)
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def _local_chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    c = -(-n // world)
+    return x.narrow(dim, min(c * rank, n), chunk_size(n, world, rank))
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    c = -(-n // world)
+    if n != c * world:
+        x = F.pad(x, [0, 0] * (x.dim() - dim - 1) + [0, c * world - n])
+    if dim != 0:
+        x = x.movedim(dim, 0)
+    out = _wait(c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group))
+    out = out.narrow(0, 0, chunk_size(n, world, rank))
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+# --------------------------------------------------------------------------------------------
+# Data-parallel gather / gradient reduction of a bucket of parameters (one FSDP unit).
+# --------------------------------------------------------------------------------------------
+def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
+    """Casts to param_dtype and all-gathers a unit's shards in ONE collective."""
+    first = infos[0]
+    if first.shard is None:
+        return [x.to(info.param_dtype) for x, info in zip(shards, infos)]
+    axis = first.shard
+    flats = []
+    for x, info in zip(shards, infos):
+        flat = x.to(info.param_dtype).reshape(-1)
+        pad = info.chunk_rows * info.row_numel - flat.numel()
+        flats.append(F.pad(flat, (0, pad)) if pad else flat)
+    buf = flats[0] if len(flats) == 1 else torch.cat(flats)
+    gathered = _wait(c10d.all_gather_into_tensor(buf, axis.world, axis.group_name)).view(axis.world, -1)
+    outs, offset = [], 0
+    for info in infos:
+        n = info.chunk_rows * info.row_numel
+        piece = gathered if len(infos) == 1 else gathered[:, offset : offset + n]
+        offset += n
+        full = piece.reshape(axis.world * info.chunk_rows, *info.dp_full_shape[1:])
+        rows = info.dp_full_shape[0]
+        outs.append(full if full.shape[0] == rows else full.narrow(0, 0, rows))
+    return outs
+
+
+def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
+    """Averages a unit's gradients over the data-parallel ranks in reduce_dtype:
+    one reduce-scatter over the shard axis (FullyShard), one all-reduce per replicate axis."""
+    first = infos[0]
+    pieces = []
+    for g, info in zip(grads, infos):
+        if g is None:
+            g = torch.zeros(info.dp_full_shape, dtype=info.reduce_dtype, device=info.mesh.device_type)
+        flat = g.to(info.reduce_dtype).reshape(-1)
+        if first.shard is not None:
+            pad = first.shard.world * info.chunk_rows * info.row_numel - flat.numel()
+            flat = (F.pad(flat, (0, pad)) if pad else flat).view(first.shard.world, -1)
+        pieces.append(flat)
+    if first.shard is not None:
+        buf = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        red = _wait(c10d.reduce_scatter_tensor(buf.reshape(-1), "sum", first.shard.world, first.shard.group_name))
+        world = first.shard.world
+    else:
+        red = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        world = 1
+    for axis in first.replicate:
+        red = _all_reduce_sum(red, axis.group_name)
+        world *= axis.world
+    red = red / world
+    outs, offset = [], 0
+    for info in infos:
+        if first.shard is not None:
+            n, keep = info.chunk_rows * info.row_numel, info.local_rows * info.row_numel
+            shape = (info.local_rows, *info.dp_full_shape[1:])
+        else:
+            n = keep = info.row_numel * (info.dp_full_shape[0] if info.dp_full_shape else 1)
+            shape = info.dp_full_shape
+        piece = red.narrow(0, offset, keep) if len(infos) > 1 or keep != n else red
+        offset += n
+        outs.append(piece.view(shape).to(info.dtype))
+    return outs
+
+
+# --------------------------------------------------------------------------------------------
+# graphshard::param, the marker
+# --------------------------------------------------------------------------------------------
+def _gather_logical(local: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    x = gather_params([local], [info])[0]
+    for axis, pl in info.model_parallel:
+        if pl.is_shard():
+            x = _gather_dim(x, pl.dim, info.logical_shape[pl.dim], axis.group_name, axis.world)
+    return x
+
+
+@torch.library.impl(lib, "param", "CompositeExplicitAutograd")
+def _param_eager(local, key, shape):
+    return _gather_logical(local, lookup(key)).clone()
+
+
+@torch.library.register_fake("graphshard::param")
+def _param_fake(local, key, shape):
+    return local.new_empty(shape, dtype=lookup(key).param_dtype)
+
+
+def _param_setup(ctx, inputs, output):
+    ctx.key = inputs[1]
+
+
+def _param_backward(ctx, grad):
+    info = lookup(ctx.key)
+    for axis, pl in reversed(info.model_parallel):
+        if pl.is_shard():  # eager computes replicated: every rank holds the full gradient
+            grad = _local_chunk(grad, pl.dim, axis.world, axis.rank)
+    return reduce_grads([grad], [info])[0], None, None
+
+
+torch.library.register_autograd("graphshard::param", _param_backward, setup_context=_param_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# graphshard::unshard, the data-parallel gather of a bucket; backward reduces the gradients
+# --------------------------------------------------------------------------------------------
+def _unshard_decomp(shards, keys):
+    return gather_params(shards, [lookup(k) for k in keys])
+
+
+@torch.library.impl(lib, "unshard", "CompositeExplicitAutograd")
+def _unshard_eager(shards, keys):
+    return [t.clone() for t in _unshard_decomp(shards, keys)]
+
+
+@torch.library.register_fake("graphshard::unshard")
+def _unshard_fake(shards, keys):
+    infos = [lookup(k) for k in keys]
+    return [x.new_empty(info.dp_full_shape, dtype=info.param_dtype) for x, info in zip(shards, infos)]
+
+
+def _unshard_setup(ctx, inputs, output):
+    ctx.keys = inputs[1]
+
+
+def _unshard_backward(ctx, grads):
+    return reduce_grads(list(grads), [lookup(k) for k in ctx.keys]), None
+
+
+torch.library.register_autograd("graphshard::unshard", _unshard_backward, setup_context=_unshard_setup)
+
+
+# --------------------------------------------------------------------------------------------
+# Model-parallel redistributions (forward collective, backward its transpose)
+# --------------------------------------------------------------------------------------------
+def _all_reduce_decomp(x, group, world):
+    return _all_reduce_sum(x, group)
+
+
+def _all_gather_decomp(x, dim, size, group, world, rank):
+    return _gather_dim(x, dim, size, group, world)
+
+
+def _reduce_scatter_decomp(x, dim, group, world, rank):
+    return _reduce_scatter_dim(x, dim, group, world, rank)
+
+
+def _shard_decomp(x, dim, group, world, rank):
+    return _local_chunk(x, dim, world, rank).contiguous()
+
+
+def _grad_all_reduce_decomp(x, group, world):
+    return x.clone()
+
+
+def _to_partial_decomp(x, rank):
+    return x.clone() if rank == 0 else torch.zeros_like(x)
+
+
+def _fake_all_gather(x, dim, size, group, world, rank):
+    shape = list(x.shape)
+    shape[dim] = size
+    return x.new_empty(shape)
+
+
+def _fake_scatter(x, dim, group, world, rank):
+    shape = list(x.shape)
+    shape[dim] = chunk_size(shape[dim], world, rank)
+    return x.new_empty(shape)
+
+
+_DECOMPS = {
+    "all_reduce": (_all_reduce_decomp, lambda x, group, world: torch.empty_like(x)),
+    "all_gather": (_all_gather_decomp, _fake_all_gather),
+    "reduce_scatter": (_reduce_scatter_decomp, _fake_scatter),
+    "shard": (_shard_decomp, _fake_scatter),
+    "grad_all_reduce": (_grad_all_reduce_decomp, lambda x, group, world: torch.empty_like(x)),
+    "to_partial": (_to_partial_decomp, lambda x, rank: torch.empty_like(x)),
+}
+for _name, (_impl, _fake) in _DECOMPS.items():
+    torch.library.impl(lib, _name, "CompositeExplicitAutograd")(
+        lambda *a, _impl=_impl: _impl(*a).clone()
+    )
+    torch.library.register_fake(f"graphshard::{_name}")(_fake)
+
+
+def _save_args(ctx, inputs, output):
+    ctx.args = inputs[1:]
+    ctx.size = inputs[0].shape
+
+
+def _bw_all_reduce(ctx, g):  # Partial -> Replicate: the gradient of a replicated sum is the gradient
+    return g, None, None
+
+
+def _bw_all_gather(ctx, g):  # Shard -> Replicate: every rank's gradient is whole; keep our chunk
+    dim, size, group, world, rank = ctx.args
+    return _local_chunk(g, dim, world, rank), None, None, None, None, None
+
+
+def _bw_reduce_scatter(ctx, g):  # Partial -> Shard: gather the shards back
+    dim, group, world, rank = ctx.args
+    return _gather_dim(g, dim, ctx.size[dim], group, world), None, None, None, None
+
+
+def _bw_shard(ctx, g):  # Replicate -> Shard: the gradient pieces are gathered into the whole
+    dim, group, world, rank = ctx.args
+    return _gather_dim(g, dim, ctx.size[dim], group, world), None, None, None, None
+
+
+def _bw_grad_all_reduce(ctx, g):  # identity forward; a replicated input of sharded compute gets partial grads
+    group, world = ctx.args
+    return _all_reduce_sum(g, group), None, None
+
+
+def _bw_to_partial(ctx, g):  # Replicate -> Partial (one rank contributes): the gradient is whole everywhere
+    return g, None
+
+
+for _name, _bw in [
+    ("to_partial", _bw_to_partial),
+    ("all_reduce", _bw_all_reduce),
+    ("all_gather", _bw_all_gather),
+    ("reduce_scatter", _bw_reduce_scatter),
+    ("shard", _bw_shard),
+    ("grad_all_reduce", _bw_grad_all_reduce),
+]:
+    torch.library.register_autograd(f"graphshard::{_name}", _bw, setup_context=_save_args)
+
+
+def decompositions() -> dict:
+    """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits."""
+    return {
+        ops.unshard.default: _unshard_decomp,
+        ops.all_reduce.default: _all_reduce_decomp,
+        ops.all_gather.default: _all_gather_decomp,
+        ops.reduce_scatter.default: _reduce_scatter_decomp,
+        ops.shard.default: _shard_decomp,
+        ops.grad_all_reduce.default: _grad_all_reduce_decomp,
+        ops.to_partial.default: _to_partial_decomp,
+    }
+
+
+COLLECTIVE_OPS = frozenset(
+    [ops.unshard.default, ops.all_reduce.default, ops.all_gather.default,
+     ops.reduce_scatter.default, ops.shard.default, ops.grad_all_reduce.default, ops.to_partial.default]
+)

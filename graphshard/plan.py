@@ -1,0 +1,224 @@
+"""Plans: which module is a unit, how each parameter is laid out over the mesh.
+
+A plan maps module FQN globs (``fnmatch`` syntax; ``""`` is the root) to specs.
+A module matched by a data-parallel spec (`FullyShard`, `Replicate`) becomes a
+*unit*: it owns those of its parameters that no deeper unit owns, the bottom-up
+semantics of FSDP's auto-wrapping, and its parameters are gathered by one
+collective. A `ShardParams` spec lays parameters out over a model-parallel mesh
+axis (the primitive that tensor-parallel styles compile to).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Mapping, Union
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate as _R, Shard as _S
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullyShard:
+    """FSDP / ZeRO-3: parameters sharded on dim 0 over a data-parallel mesh axis.
+
+    On a 2-D data-parallel mesh this is hybrid sharding (HSDP): sharded over
+    ``shard_axis``, replicated over the other data-parallel axes.
+    """
+
+    reshard_after_forward: bool = True
+    """True: FULL_SHARD, the gathered parameters are freed after forward and
+    gathered again in backward. False: SHARD_GRAD_OP, kept from forward to backward."""
+    param_dtype: torch.dtype | None = None
+    """Dtype the parameters are cast to before the all-gather and computed in."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype gradients are reduced in (default: ``param_dtype``, else the parameter's)."""
+    shard_axis: str | None = None
+    """Mesh axis to shard over; default the last data-parallel axis of the mesh."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replicate:
+    """Plain data parallelism (DDP): parameters replicated, gradients all-reduced (averaged)."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype the parameters are computed in."""
+    reduce_dtype: torch.dtype | None = None
+    """Dtype gradients are reduced in."""
+
+
+@dataclass(frozen=True)
+class ShardParams:
+    """Lays out parameters of the matched module over a model-parallel mesh axis.
+
+    ``ShardParams("tp", weight=Shard(0), bias=Shard(0))``: the named parameters
+    are sharded; the module's other parameters are replicated over that axis.
+    Placement propagation then shards the computation that uses them.
+    """
+
+    mesh_axis: str
+    placements: Mapping[str, Placement] = field(default_factory=dict)
+
+    def __init__(self, mesh_axis: str, /, **placements: Placement):
+        object.__setattr__(self, "mesh_axis", mesh_axis)
+        object.__setattr__(self, "placements", dict(placements))
+
+
+UnitSpec = Union[FullyShard, Replicate]
+Spec = Union[FullyShard, Replicate, ShardParams]
+_SPEC_TYPES = (FullyShard, Replicate, ShardParams)
+
+
+class Plan:
+    """How a model is sharded over ``mesh``: ``Plan(mesh, {fqn_glob: spec})``."""
+
+    def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False):
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
+        if mesh.mesh_dim_names is None:
+            raise ValueError("Plan needs a mesh with named axes: init_device_mesh(..., mesh_dim_names=('dp',))")
+        for key, spec in rules.items():
+            if not isinstance(key, str):
+                raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
+            if not isinstance(spec, _SPEC_TYPES):
+                raise ValueError(
+                    f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate() or ShardParams(...)"
+                )
+        self.mesh = mesh
+        self.rules = dict(rules)
+        self.strict = strict
+        axes = tuple(mesh.mesh_dim_names)
+        mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}
+        for key, spec in self.rules.items():
+            if isinstance(spec, ShardParams) and spec.mesh_axis not in axes:
+                raise ValueError(f"plan key {key!r}: ShardParams axis {spec.mesh_axis!r} is not a mesh axis {axes}")
+        self.model_parallel_axes = tuple(a for a in axes if a in mp_axes)
+        self.data_parallel_axes = tuple(a for a in axes if a not in mp_axes)
+        for key, spec in self.rules.items():
+            if isinstance(spec, (FullyShard, Replicate)) and not self.data_parallel_axes:
+                raise ValueError(
+                    f"plan key {key!r}: {type(spec).__name__} needs a data-parallel mesh axis, but every axis of "
+                    f"{axes} is used by ShardParams; add a 'dp' axis to the mesh"
+                )
+            if isinstance(spec, FullyShard) and spec.shard_axis is not None and spec.shard_axis not in self.data_parallel_axes:
+                raise ValueError(
+                    f"plan key {key!r}: FullyShard(shard_axis={spec.shard_axis!r}) is not a data-parallel axis of the "
+                    f"mesh; choose one of {self.data_parallel_axes}"
+                )
+
+    def shard_axis(self, spec: FullyShard) -> str:
+        return spec.shard_axis or self.data_parallel_axes[-1]
+
+    def __repr__(self) -> str:
+        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r})"
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one (deduplicated) parameter lives."""
+
+    fqns: tuple[str, ...]                     # every FQN it is reachable under; fqns[0] is canonical
+    placements: tuple[Placement, ...]         # one per mesh axis: the stored (sharded) layout
+    unit: str | None                          # FQN of the owning unit, None if no data-parallel axis
+    unit_spec: UnitSpec | None
+
+
+def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
+    """Match plan keys to modules and give every parameter (by identity) its layout.
+
+    Raises ValueError, naming the key or FQN, for keys that match nothing or
+    match a parameter, modules claimed twice, and parameters that no unit owns
+    on a mesh with a data-parallel axis.
+    """
+    modules: dict[str, nn.Module] = dict(model.named_modules(remove_duplicate=False))
+    params_by_fqn = dict(model.named_parameters(remove_duplicate=False))
+    matched: dict[str, list[tuple[str, nn.Module]]] = {}
+    for key in plan.rules:
+        hits = [(fqn, m) for fqn, m in modules.items() if fnmatch.fnmatchcase(fqn, key)]
+        if not hits:
+            if any(fnmatch.fnmatchcase(p, key) for p in params_by_fqn):
+                owner = key.rsplit(".", 1)[0] if "." in key else ""
+                raise ValueError(
+                    f"plan key {key!r} names a parameter, not a module; keys name modules (try {owner!r})"
+                )
+            close = difflib.get_close_matches(key, [f for f in modules if f], n=3, cutoff=0.4)
+            raise ValueError(
+                f"plan key {key!r} matches no module of {type(model).__name__}; closest FQNs: {close or 'none'}"
+            )
+        matched[key] = hits
+
+    # Unit specs: one per module object; a shared module is a unit once.
+    unit_of_module: dict[int, tuple[str, UnitSpec, int]] = {}
+    mp_of_module: dict[int, list[tuple[str, ShardParams]]] = {}
+    for key, spec in plan.rules.items():
+        for fqn, mod in matched[key]:
+            if isinstance(spec, ShardParams):
+                mp_of_module.setdefault(id(mod), []).append((fqn, spec))
+                continue
+            prev = unit_of_module.get(id(mod))
+            if prev is not None and prev[1] != spec:
+                raise ValueError(f"module {fqn!r} is matched by two unit specs ({prev[1]} and {spec}); keep one key")
+            depth = 0 if fqn == "" else fqn.count(".") + 1
+            if prev is None or depth > prev[2]:
+                unit_of_module[id(mod)] = (fqn, spec, depth) if prev is None else (prev[0], spec, depth)
+
+    fqns_of: dict[int, list[str]] = {}
+    param_of: dict[int, nn.Parameter] = {}
+    for fqn, p in params_by_fqn.items():
+        fqns_of.setdefault(id(p), []).append(fqn)
+        param_of[id(p)] = p
+
+    # Bottom-up ownership: deepest unit first.
+    owner: dict[int, tuple[str, UnitSpec]] = {}
+    for mid, (ufqn, spec, _) in sorted(unit_of_module.items(), key=lambda kv: -kv[1][2]):
+        mod = modules[ufqn]
+        for p in mod.parameters():
+            owner.setdefault(id(p), (ufqn, spec))
+
+    # Model-parallel placements per parameter.
+    mp_place: dict[int, dict[str, Placement]] = {}
+    for mid, entries in mp_of_module.items():
+        for mfqn, spec in entries:
+            mod = modules[mfqn]
+            local = dict(mod.named_parameters(recurse=False))
+            for pname, placement in spec.placements.items():
+                if pname not in local:
+                    raise ValueError(
+                        f"ShardParams on {mfqn!r} names parameter {pname!r}, but that module has {sorted(local)}"
+                    )
+                if not isinstance(placement, (_S, _R)):
+                    raise ValueError(f"{mfqn}.{pname}: placement {placement!r} must be Shard(dim) or Replicate()")
+                p = local[pname]
+                if isinstance(placement, _S) and not -p.dim() <= placement.dim < p.dim():
+                    raise ValueError(f"{mfqn}.{pname}: Shard({placement.dim}) is out of range for shape {tuple(p.shape)}")
+                mp_place.setdefault(id(p), {})[spec.mesh_axis] = placement
+
+    layouts: dict[int, ParamLayout] = {}
+    orphans = []
+    for pid, fqns in fqns_of.items():
+        p = param_of[pid]
+        unit, spec = owner.get(pid, (None, None))
+        if plan.data_parallel_axes and unit is None:
+            orphans.append(fqns[0])
+            continue
+        placements = []
+        for axis in plan.mesh.mesh_dim_names:
+            if axis in plan.model_parallel_axes:
+                pl = mp_place.get(pid, {}).get(axis, _R())
+                if isinstance(pl, _S) and pl.dim < 0:
+                    pl = _S(pl.dim + p.dim())
+                placements.append(pl)
+            elif isinstance(spec, FullyShard) and axis == plan.shard_axis(spec):
+                placements.append(_S(0))
+            else:
+                placements.append(_R())
+        layouts[pid] = ParamLayout(tuple(fqns), tuple(placements), unit, spec)
+    if orphans:
+        raise ValueError(
+            f"parameters {orphans[:5]}{' ...' if len(orphans) > 5 else ''} belong to no unit; every parameter needs "
+            "a FullyShard() or Replicate() owner on a data-parallel mesh: add a root key, e.g. {'': FullyShard()}"
+        )
+    return layouts

@@ -1,0 +1,69 @@
+"""Small FX helpers shared by passes."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+def val(node: Any):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def is_tensor_node(node: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def tensor_args(node: fx.Node) -> Iterator[tuple[int | str, fx.Node]]:
+    """(position or kwarg name, node) for every tensor-valued direct argument (lists flattened as 'i.j')."""
+    for i, a in enumerate(node.args):
+        if is_tensor_node(a):
+            yield i, a
+        elif isinstance(a, (list, tuple)):
+            for j, b in enumerate(a):
+                if is_tensor_node(b):
+                    yield f"{i}.{j}", b
+    for k, a in node.kwargs.items():
+        if is_tensor_node(a):
+            yield k, a
+
+
+def placement_of(node: fx.Node, axis: str) -> Placement:
+    pl = node.meta.get("placement")
+    if pl is None:
+        return R
+    return pl.get(axis, R)
+
+
+def fmt_placement(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P"
+    return "R"
+
+
+def fmt_placements(pl) -> str:
+    if pl is None:
+        return "-"
+    if isinstance(pl, list):
+        return "[" + ", ".join(fmt_placements(p) for p in pl) + "]"
+    return "{" + ", ".join(f"{a}: {fmt_placement(p)}" for a, p in pl.items()) + "}"
+
+
+def normalized_graph(gm: fx.GraphModule, replacements: dict[str, str] | None = None) -> str:
+    """``print_readable`` without strides, devices or file comments: stable text for golden tests."""
+    import re
+
+    text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    text = "\n".join(l for l in text.splitlines() if not l.strip().startswith("# File:") and l.strip() != "")
+    text = re.sub(r"'m\d+/", "'", text)
+    for old, new in (replacements or {}).items():
+        text = text.replace(old, new)
+    return text + "\n"

@@ -1,0 +1,64 @@
+"""bucket_collectives: one data-parallel collective per unit.
+
+insert_collectives leaves one ``graphshard::unshard`` per parameter use. This
+pass merges those of each unit (FSDP unit = bucket) into one ``unshard`` over
+all the unit's parameters used in the graph, placed where the unit's first
+parameter is first used, and a parameter used twice (tied weights) is gathered
+once. Because ``unshard``'s backward reduces all its gradients together, the
+backward gets one reduce-scatter (or all-reduce) per unit as well.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from graphshard.ops import ops
+from graphshard.params import lookup as lookup_param
+from graphshard.passes.pipeline import PassContext
+
+
+def unshard_units(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """unit FQN -> its unshard nodes, in graph order."""
+    units: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == ops.unshard.default:
+            unit = lookup_param(node.args[1][0]).layout.unit
+            units.setdefault(unit, []).append(node)
+    return units
+
+
+def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    g = gm.graph
+    for unit, nodes in unshard_units(gm).items():
+        keys, shards, vals, placements = [], [], [], []
+        uses: list[tuple[fx.Node, int]] = []  # (getitem user, index into merged outputs)
+        for un in nodes:
+            for i, key in enumerate(un.args[1]):
+                if key not in keys:
+                    keys.append(key)
+                    shards.append(un.args[0][i])
+                    vals.append(un.meta["val"][i])
+                    placements.append((un.meta.get("placement") or [None] * (i + 1))[i])
+                for user in list(un.users):
+                    if user.target == operator.getitem and user.args[1] == i:
+                        uses.append((user, keys.index(key)))
+        ctx.report.units[unit] = [lookup_param(k).fqn for k in keys]
+        if len(nodes) == 1 and len(keys) == len(nodes[0].args[1]):
+            continue
+        with g.inserting_before(nodes[0]):
+            merged = g.call_function(ops.unshard.default, (shards, keys))
+        merged.meta["val"] = vals
+        merged.meta["placement"] = placements
+        outs: dict[int, fx.Node] = {}
+        for user, idx in uses:
+            if idx not in outs:
+                with g.inserting_after(merged):
+                    outs[idx] = g.call_function(operator.getitem, (merged, idx))
+                outs[idx].meta.update(user.meta)
+            user.replace_all_uses_with(outs[idx])
+            g.erase_node(user)
+        for un in nodes:
+            g.erase_node(un)
+    return gm

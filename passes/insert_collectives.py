@@ -1,0 +1,217 @@
+"""insert_collectives: make every consumer see the placement it needs.
+
+- Each ``graphshard::param`` marker becomes the parameter's data-parallel gather,
+  ``graphshard::unshard([local], [key])`` (its backward averages the gradient
+  over the data-parallel ranks), or, on a mesh without data-parallel axes, the
+  local shard itself.
+- Each input whose placement differs from what its consumer's rule requires
+  (``meta["required"]``) is redistributed, one mesh axis at a time:
+  Shard->Replicate all_gather, Partial->Replicate all_reduce, Partial->Shard
+  reduce_scatter, Replicate->Shard shard (a local slice), Replicate->Partial
+  to_partial. Backward collectives come from these ops' autograd formulas.
+- A replicated value that needs a gradient and feeds an op whose output is
+  sharded or partial on an axis gets ``grad_all_reduce`` (identity forward,
+  all-reduce backward): its gradient from that op is a partial sum.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from graphshard.explain import CollectiveRecord
+from graphshard.ops import ops
+from graphshard.params import lookup as lookup_param
+from graphshard.passes._graph import R, fmt_placement, is_tensor_node, tensor_args
+from graphshard.passes.pipeline import PassContext
+
+
+def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    g = gm.graph
+    needs_grad = _needs_grad(gm)
+    cache: dict[tuple, fx.Node] = {}
+    for node in list(g.nodes):
+        if node.op == "call_function" and node.target == ops.param.default:
+            _replace_marker(g, node, ctx)
+            continue
+        req = node.meta.get("required") or {}
+        for pos, want in req.items():
+            arg = _get_arg(node, pos)
+            new = _redistribute(g, arg, want, node, ctx, cache)
+            _set_arg(node, pos, new)
+        if ctx.model_parallel and node.op == "call_function":
+            _guard_replicated_grads(g, node, needs_grad, ctx, cache)
+    return gm
+
+
+def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose values depend on a parameter (so get a gradient in training)."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == ops.param.default:
+            out.add(node)
+        elif any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
+    local, key = marker.args[0], marker.args[1]
+    info = lookup_param(key)
+    with g.inserting_before(marker):
+        if info.shard is None and not info.replicate:
+            new = local  # no data-parallel axis: the local shard is the per-rank parameter
+        else:
+            un = g.call_function(ops.unshard.default, ([local], [key]))
+            un.meta["val"] = [marker.meta["val"]]
+            un.meta["placement"] = [marker.meta.get("placement")]
+            new = g.call_function(operator.getitem, (un, 0))
+            new.meta.update(marker.meta)
+            for axis in ([info.shard] if info.shard else []) + list(info.replicate):
+                kind = "all_gather" if axis is info.shard else "all_reduce(grad)"
+                nbytes = math.prod(info.dp_full_shape) * info.param_dtype.itemsize
+                nbytes = nbytes // axis.world if axis is info.shard else nbytes
+                ctx.report.collectives.append(CollectiveRecord(kind, axis.name, nbytes, info.fqn, "pre_autograd"))
+    if new is not local:
+        new.meta["placement"] = marker.meta.get("placement")
+    marker.replace_all_uses_with(new)
+    g.erase_node(marker)
+
+
+def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassContext, cache) -> fx.Node:
+    cur = dict(arg.meta.get("placement") or {})
+    key = (arg, tuple(sorted((a, str(p)) for a, p in want.items())))
+    if key in cache:
+        return cache[key]
+    x = arg
+    for axis_name, target in want.items():
+        src = cur.get(axis_name, R)
+        if src == target:
+            continue
+        axis = ctx.model_parallel[axis_name]
+        steps = _steps(src, target)
+        for op, op_args, kind in steps:
+            with g.inserting_after(x if x.op != "placeholder" else _last_placeholder(g)):
+                full_args = _op_args(op, x, op_args, axis)
+                new = g.call_function(op, full_args)
+            new.meta["val"] = x.meta["val"]  # logical shapes are unchanged; localize_shapes makes them local
+            cur[axis_name] = _after(src, op, op_args)
+            src = cur[axis_name]
+            new.meta["placement"] = dict(cur)
+            new.meta["cause"] = consumer.name
+            v = x.meta["val"]
+            ctx.report.collectives.append(
+                CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), f"node {consumer.name} ({consumer.target})",
+                                 "pre_autograd")
+            )
+            x = new
+    cache[key] = x
+    return x
+
+
+def _steps(src, dst):
+    """The op sequence that turns placement ``src`` into ``dst`` on one axis."""
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return [(ops.all_gather.default, (src.dim,), "all_gather")]
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return [(ops.all_reduce.default, (), "all_reduce")]
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return [(ops.reduce_scatter.default, (dst.dim,), "reduce_scatter")]
+    if isinstance(src, Replicate) and isinstance(dst, Shard):
+        return [(ops.shard.default, (dst.dim,), "shard (local)")]
+    if isinstance(src, Replicate) and isinstance(dst, Partial):
+        return [(ops.to_partial.default, (), "to_partial (local)")]
+    if isinstance(src, Shard) and isinstance(dst, (Shard, Partial)):
+        return _steps(src, R) + _steps(R, dst)
+    raise NotImplementedError(f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}")
+
+
+def _after(src, op, op_args):
+    if op in (ops.all_gather.default, ops.all_reduce.default):
+        return R
+    if op in (ops.reduce_scatter.default, ops.shard.default):
+        return Shard(op_args[0])
+    if op == ops.to_partial.default:
+        return Partial()
+    return src
+
+
+def _op_args(op, x: fx.Node, op_args, axis):
+    if op == ops.all_gather.default:
+        (dim,) = op_args
+        return (x, dim, x.meta["val"].shape[dim], axis.group_name, axis.world, axis.rank)
+    if op == ops.all_reduce.default:
+        return (x, axis.group_name, axis.world)
+    if op in (ops.reduce_scatter.default, ops.shard.default):
+        return (x, op_args[0], axis.group_name, axis.world, axis.rank)
+    if op == ops.to_partial.default:
+        return (x, axis.rank)
+    raise AssertionError(op)
+
+
+def _guard_replicated_grads(g, node: fx.Node, needs_grad, ctx: PassContext, cache) -> None:
+    out = node.meta.get("placement")
+    if not isinstance(out, dict):
+        out = out[0] if isinstance(out, list) and out else {}
+    for pos, arg in list(tensor_args(node)):
+        if arg not in needs_grad or node.target == ops.grad_all_reduce.default:
+            continue
+        pl = arg.meta.get("placement") or {}
+        for axis_name, p_out in out.items():
+            if pl.get(axis_name, R) == R and p_out != R:
+                axis = ctx.model_parallel[axis_name]
+                key = (arg, "grad_all_reduce", axis_name)
+                if key not in cache:
+                    with g.inserting_after(arg):
+                        new = g.call_function(ops.grad_all_reduce.default, (arg, axis.group_name, axis.world))
+                    new.meta["val"] = arg.meta["val"]
+                    new.meta["placement"] = dict(pl)
+                    cache[key] = new
+                    v = arg.meta["val"]
+                    ctx.report.collectives.append(CollectiveRecord(
+                        "all_reduce(grad)", axis_name, v.numel() * v.element_size(),
+                        f"node {node.name}: replicated input of a sharded op", "pre_autograd"))
+                _set_arg(node, pos, cache[key])
+                arg = cache[key]
+
+
+def _last_placeholder(g: fx.Graph) -> fx.Node:
+    return [n for n in g.nodes if n.op == "placeholder"][-1]
+
+
+def _get_arg(node: fx.Node, pos):
+    if isinstance(pos, int):
+        if node.op == "output":
+            return node.args[0][pos]
+        return node.args[pos]
+    if isinstance(pos, str) and "." in pos:
+        i, j = map(int, pos.split("."))
+        return node.args[i][j]
+    return node.kwargs[pos]
+
+
+def _set_arg(node: fx.Node, pos, new) -> None:
+    if node.op == "output":
+        outs = list(node.args[0])
+        outs[pos] = new
+        node.args = (type(node.args[0])(outs),)
+        return
+    if isinstance(pos, int):
+        args = list(node.args)
+        args[pos] = new
+        node.args = tuple(args)
+    elif "." in pos:
+        i, j = map(int, pos.split("."))
+        args = list(node.args)
+        inner = list(args[i])
+        inner[j] = new
+        args[i] = type(node.args[i])(inner)
+        node.args = tuple(args)
+    else:
+        kwargs = dict(node.kwargs)
+        kwargs[pos] = new
+        node.kwargs = kwargs

@@ -1,0 +1,99 @@
+"""The pass pipeline: one ordered list per stage, the reason for each position beside it."""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from graphshard.config import CompileConfig
+from graphshard.explain import GraphReport
+from graphshard.params import AxisGroup, ParamInfo
+
+log = logging.getLogger("graphshard.passes")
+
+Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+
+@dataclass
+class PassContext:
+    """What every pass may read; passes record what they did in ``report``."""
+
+    config: CompileConfig
+    infos: dict[str, ParamInfo]             # parameter key -> facts
+    model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
+    report: GraphReport
+    group_axes: dict[str, str] = field(default_factory=dict)  # mesh axis name -> c10d group name
+    fake_mode: object = None
+    stage: str = "pre_autograd"
+    graph_index: int = 0
+    dump_counter: collections.Counter = field(default_factory=collections.Counter)
+
+
+def _pre_autograd_passes() -> list[Pass]:
+    from graphshard.passes.annotate_placements import annotate_placements
+    from graphshard.passes.bucket_collectives import bucket_collectives
+    from graphshard.passes.insert_collectives import insert_collectives
+    from graphshard.passes.localize_shapes import localize_shapes
+    from graphshard.passes.tag_resharding import tag_resharding
+
+    return [
+        annotate_placements,  # placements from the markers and plan, on the logical program
+        insert_collectives,   # needs every node's placement; replaces markers with unshard / local shards
+        localize_shapes,      # after insertion: rewrites logical sizes to per-rank sizes, re-derives meta["val"]
+        bucket_collectives,   # after localization: merges each unit's unshards into one collective
+        tag_resharding,       # last: tags the final unshard nodes recompute/save for aot_autograd's partitioner
+    ]
+
+
+def _post_partition_passes() -> list[Pass]:
+    from graphshard.passes.schedule_overlap import schedule_overlap
+
+    return [
+        schedule_overlap,     # on the partitioned graphs, where all-gathers and reduce-scatters are explicit
+    ]
+
+
+def pre_autograd_passes() -> list[Pass]:
+    return _pre_autograd_passes()
+
+
+def post_partition_passes() -> list[Pass]:
+    return _post_partition_passes()
+
+
+def op_counts(gm: fx.GraphModule) -> collections.Counter:
+    return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass]) -> fx.GraphModule:
+    for p in passes:
+        before = op_counts(gm) if ctx.config.dump_graphs else None
+        if before is not None:
+            _dump(ctx, p.__name__, "before", gm)
+        gm = p(gm, ctx)
+        gm.graph.lint()
+        if before is not None:
+            after = op_counts(gm)
+            diff = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
+            _dump(ctx, p.__name__, "after", gm, diff)
+            log.info("%s[%s]: op-count diff %s", p.__name__, ctx.stage, diff)
+    gm.recompile()
+    return gm
+
+
+def _dump(ctx: PassContext, name: str, when: str, gm: fx.GraphModule, diff: dict | None = None) -> None:
+    os.makedirs(ctx.config.dump_graphs, exist_ok=True)
+    idx = ctx.dump_counter[(ctx.graph_index, ctx.stage)]
+    if when == "after":
+        ctx.dump_counter[(ctx.graph_index, ctx.stage)] += 1
+    path = os.path.join(ctx.config.dump_graphs, f"g{ctx.graph_index}_{ctx.stage}_{idx:02d}_{name}_{when}.txt")
+    with open(path, "w") as f:
+        f.write(gm.print_readable(print_output=False, include_stride=False, include_device=False))
+        if diff is not None:
+            f.write(f"\n# op-count diff: {diff}\n")

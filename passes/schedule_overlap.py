@@ -1,0 +1,176 @@
+"""schedule_overlap: order collectives to overlap compute, on the partitioned graphs.
+
+Runs on aot_autograd's forward and backward graphs, where every collective is an
+explicit ``_c10d_functional`` start plus a ``wait_tensor``:
+
+- unit all-gathers are prefetched: the all-gather of the unit after next is
+  issued as soon as the wait of the current unit's all-gather is done, so the
+  next unit's gather runs under the current unit's compute. A hard edge keeps
+  at most ``limit_all_gathers`` units outstanding (the unit being computed and
+  ``limit_all_gathers - 1`` ahead of it);
+- every wait sits right before its first use;
+- reduce-scatters and all-reduces of gradients start as soon as their inputs
+  exist, and their waits sink as late as possible (before the graph's output).
+
+The order is a priority topological sort, so data dependencies always hold.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch.fx as fx
+
+from graphshard._compat import c10d
+from graphshard.explain import CollectiveRecord
+from graphshard.passes.pipeline import PassContext
+
+_STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
+           c10d.all_reduce.default: "all_reduce"}
+_WAIT = c10d.wait_tensor.default
+
+
+def _wait_of(start: fx.Node) -> fx.Node | None:
+    return next((u for u in start.users if u.target == _WAIT), None)
+
+
+def _exclusive_prep(start: fx.Node) -> list[fx.Node]:
+    """The nodes that exist only to build ``start``'s input (casts, pads, the bucket's cat)."""
+    prep: set[fx.Node] = set()
+    stack = list(start.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function" or n in prep:
+            continue
+        if all(u is start or u in prep for u in n.users):
+            prep.add(n)
+            stack.extend(n.all_input_nodes)
+    return [n for n in start.graph.nodes if n in prep]
+
+
+def unit_name(node: fx.Node, fallback: str) -> str:
+    unit = (node.meta.get("custom") or {}).get("graphshard_unit")
+    return fallback if unit is None else (unit or "<root>")
+
+
+def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    g = gm.graph
+    nodes = list(g.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    starts = [n for n in nodes if n.target in _STARTS]
+    if not starts:
+        return gm
+    key: dict[fx.Node, float] = {n: float(i) for n, i in index.items()}
+    extra_deps: dict[fx.Node, list[fx.Node]] = {}
+
+    gathers = sorted(
+        (s for s in starts if _STARTS[s.target] == "all_gather" and _wait_of(s) is not None and _is_unit_gather(s)),
+        key=lambda s: index[_wait_of(s)],
+    )
+    limit = ctx.config.limit_all_gathers
+    for k, ag in enumerate(gathers):
+        chain = _exclusive_prep(ag) + [ag]
+        for n in chain:
+            key[n] = -math.inf
+        if k - (limit - 1) >= 0:
+            gate = _wait_of(gathers[k - (limit - 1)])
+            for n in chain:
+                if not any(a in chain for a in n.all_input_nodes):
+                    extra_deps.setdefault(n, []).append(gate)
+    for s in starts:
+        w = _wait_of(s)
+        if w is None:
+            continue
+        if s in gathers:
+            first_use = min((index[u] for u in w.users), default=index[w])
+            key[w] = first_use - 0.5
+        elif _STARTS[s.target] in ("reduce_scatter", "all_reduce") and ctx.stage == "backward":
+            for n in _exclusive_prep(s) + [s]:
+                key[n] = -math.inf
+            key[w] = math.inf
+
+    order = _priority_topo(nodes, key, extra_deps)
+    _reorder(g, order)
+    _record(gm, ctx, gathers)
+    return gm
+
+
+def _is_unit_gather(ag: fx.Node) -> bool:
+    """A data-parallel parameter gather (from graphshard::unshard), not a model-parallel activation gather."""
+    return (ag.meta.get("custom") or {}).get("graphshard_unit") is not None or all(
+        n.op == "placeholder" or n.target != _WAIT for n in _ancestors(ag)
+    )
+
+
+def _ancestors(node: fx.Node):
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        stack.extend(n.all_input_nodes)
+
+
+def _priority_topo(nodes, key, extra_deps) -> list[fx.Node]:
+    deps = {n: set(n.all_input_nodes) | set(extra_deps.get(n, ())) for n in nodes}
+    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+    for n, ds in deps.items():
+        for d in ds:
+            users[d].append(n)
+    pos = {n: i for i, n in enumerate(nodes)}
+    missing = {n: len(ds) for n, ds in deps.items()}
+    heap = [(key[n] if n.op not in ("placeholder", "output") else (-math.inf if n.op == "placeholder" else math.inf),
+             pos[n], n) for n in nodes if missing[n] == 0]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        out.append(n)
+        for u in users[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                k = math.inf if u.op == "output" else key[u]
+                heapq.heappush(heap, (k, pos[u], u))
+    assert len(out) == len(nodes), "schedule_overlap: cycle in the scheduling constraints"
+    return out
+
+
+def _reorder(g: fx.Graph, order: list[fx.Node]) -> None:
+    prev = None
+    for n in order:
+        if prev is not None and prev.next is not n:
+            prev.append(n)
+        prev = n
+
+
+def _record(gm: fx.GraphModule, ctx: PassContext, gathers: list[fx.Node]) -> None:
+    names = {ag: unit_name(ag, f"#{i}") for i, ag in enumerate(gathers)}
+    events = []
+    for n in gm.graph.nodes:
+        if n.target in _STARTS:
+            kind = _STARTS[n.target]
+            label = names.get(n, n.name)
+            events.append(f"{kind}({label})")
+            v = n.args[0].meta.get("val")
+            nbytes = v.numel() * v.element_size() if v is not None else 0
+            ctx.report.collectives.append(CollectiveRecord(kind, _axis_of(n, ctx), nbytes, label, ctx.stage))
+        elif n.target == _WAIT:
+            src = n.args[0]
+            events.append(f"wait({names.get(src, src.name)})")
+        elif n.op == "call_function" and "mm" in str(n.target):
+            if events and events[-1].startswith("compute"):
+                events[-1] = f"compute x{int(events[-1].split('x')[-1]) + 1}" if "x" in events[-1] else "compute x2"
+            else:
+                events.append("compute")
+    ctx.report.order[ctx.stage] = events
+
+
+def _axis_of(n: fx.Node, ctx: PassContext) -> str:
+    group = n.args[-1]
+    for name, axis in ctx.group_axes.items():
+        if axis == group:
+            return name
+    return str(group)
