@@ -106,7 +106,7 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
     outer = tqdm(total=len(plan), desc="runs", position=0, dynamic_ncols=True)
     for rep, layers, variant in plan:
         base = variant.removesuffix(WS1)
-        rec = {"variant": variant, "layers": layers, "rep": rep}
+        rec = {"variant": variant, "layers": layers, "rep": rep, "loadavg_1m": os.getloadavg()[0]}
         if base in unavailable:  # no need to launch it again to be told so
             records.append({**rec, "status": "unavailable", "reason": unavailable[base]})
             outer.update()
@@ -129,7 +129,8 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
         if res["status"] == "ok":
             res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
             msg = (f"{variant:22s} L{layers} rep{rep}: step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  "
-                   f"peak live {res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB")
+                   f"peak live {res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB  "
+                   f"(load before {rec['loadavg_1m']:.1f})")
         else:
             if res["status"] == "unavailable":
                 unavailable[base] = res.get("reason", "")

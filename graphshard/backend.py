@@ -15,9 +15,10 @@ backend
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
+import os
+import re
 
 import torch
 import torch.fx as fx
@@ -49,6 +50,7 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     if state is not None:
         state.explain.append(report)
     ctx = _context(keys, config, report, fake_mode)
+    ctx.input_units = _input_units(traced)
     traced = run_passes(traced, ctx, pre_autograd_passes())
     compiled = _aot_compile(traced, fake_inputs, ctx)
     if not dtensor_positions:
@@ -96,6 +98,15 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
     return traced
 
 
+def _input_units(gm: fx.GraphModule) -> list:
+    """For each graph input: the unit of the parameter it is the local shard of (None for data)."""
+    units = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == ops.param.default:
+            units[n.args[0]] = lookup_param(n.args[1]).layout.unit
+    return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> PassContext:
     model_parallel, group_axes = {}, {}
     for key in dict.fromkeys(keys):
@@ -117,7 +128,14 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             if ctx.config.lower == "eager":
                 return _compat.boxed_nop(g, inputs)
             with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
-                return _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
+                compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
+            source = getattr(compiled, "source_code", None)
+            if source:
+                ctx.report.lowered_order[stage] = lowered_collective_order(source)
+                if ctx.config.dump_graphs:
+                    with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_inductor.py"), "w") as f:
+                        f.write(source)
+            return compiled
         return compile_graph
 
     decomps = dict(decompositions())
@@ -131,6 +149,28 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=_compat.min_cut_rematerialization_partition,
         decompositions=decomps,
     )
+
+
+_LOWERED_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_LOWERED_COMPUTE = re.compile(r"^\s*extern_kernels\.(mm|addmm|bmm|baddbmm)\(")
+
+
+def lowered_collective_order(source: str) -> list[str]:
+    """Collective starts, waits and matmuls in the order Inductor's generated ``call`` issues them."""
+    events: list[str] = []
+    body = source.split("def call(", 1)[-1]
+    for line in body.splitlines():
+        m = _LOWERED_CALL.match(line)
+        if m:
+            op = m.group(1)
+            events.append("wait" if op == "wait_tensor" else op.replace("_into_tensor", "").replace("_tensor", ""))
+        elif _LOWERED_COMPUTE.match(line):
+            if events and events[-1].startswith("compute"):
+                n = int(events[-1][len("compute x"):] or 1) if events[-1] != "compute" else 1
+                events[-1] = f"compute x{n + 1}"
+            else:
+                events.append("compute")
+    return events
 
 
 # Inductor must keep the collective order that schedule_overlap chose.

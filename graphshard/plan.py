@@ -1,6 +1,8 @@
 """Plans: which module is a unit, how each parameter is laid out over the mesh.
 
-A plan maps module FQN globs (``fnmatch`` syntax; ``""`` is the root) to specs.
+A plan maps module FQN globs to specs: ``*`` matches within one FQN component
+(``"layers.*"`` is every direct child of ``layers``), ``**`` matches across dots,
+``?`` and ``[...]`` as in fnmatch; ``""`` is the root.
 A module matched by a data-parallel spec (`FullyShard`, `Replicate`) becomes a
 *unit*: it owns those of its parameters that no deeper unit owns, the bottom-up
 semantics of FSDP's auto-wrapping, and its parameters are gathered by one
@@ -11,7 +13,8 @@ axis (the primitive that tensor-parallel styles compile to).
 from __future__ import annotations
 
 import difflib
-import fnmatch
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Union
 
@@ -70,6 +73,36 @@ class ShardParams:
 UnitSpec = Union[FullyShard, Replicate]
 Spec = Union[FullyShard, Replicate, ShardParams]
 _SPEC_TYPES = (FullyShard, Replicate, ShardParams)
+
+
+@functools.lru_cache(maxsize=None)
+def _glob_regex(pattern: str) -> re.Pattern:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*"); i += 2; continue
+        if c == "*":
+            out.append("[^.]*")
+        elif c == "?":
+            out.append("[^.]")
+        elif c == "[":
+            j = pattern.find("]", i)
+            if j == -1:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1 : j]
+                out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+                i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out) + r"\Z")
+
+
+def fqn_match(fqn: str, pattern: str) -> bool:
+    """Whether module FQN ``fqn`` matches plan key ``pattern``."""
+    return _glob_regex(pattern).match(fqn) is not None
 
 
 class Plan:
@@ -137,9 +170,9 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
     params_by_fqn = dict(model.named_parameters(remove_duplicate=False))
     matched: dict[str, list[tuple[str, nn.Module]]] = {}
     for key in plan.rules:
-        hits = [(fqn, m) for fqn, m in modules.items() if fnmatch.fnmatchcase(fqn, key)]
+        hits = [(fqn, m) for fqn, m in modules.items() if fqn_match(fqn, key)]
         if not hits:
-            if any(fnmatch.fnmatchcase(p, key) for p in params_by_fqn):
+            if any(fqn_match(p, key) for p in params_by_fqn):
                 owner = key.rsplit(".", 1)[0] if "." in key else ""
                 raise ValueError(
                     f"plan key {key!r} names a parameter, not a module; keys name modules (try {owner!r})"

@@ -29,6 +29,7 @@ class PassContext:
     model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
     report: GraphReport
     group_axes: dict[str, str] = field(default_factory=dict)  # mesh axis name -> c10d group name
+    input_units: list = field(default_factory=list)  # per graph input: the unit of the parameter shard it is, or None
     fake_mode: object = None
     stage: str = "pre_autograd"
     graph_index: int = 0

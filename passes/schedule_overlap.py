@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 
+import torch
 import torch.fx as fx
 
 from graphshard._compat import c10d
@@ -29,6 +30,8 @@ from graphshard.passes.pipeline import PassContext
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
            c10d.all_reduce.default: "all_reduce"}
 _WAIT = c10d.wait_tensor.default
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten.baddbmm.default}
 
 
 def _wait_of(start: fx.Node) -> fx.Node | None:
@@ -146,8 +149,31 @@ def _reorder(g: fx.Graph, order: list[fx.Node]) -> None:
         prev = n
 
 
+def _grad_units(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, str]:
+    """Backward: names each gradient reduction by the unit whose gradients it produces."""
+    out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    position = {o: i for i, o in enumerate(outs) if isinstance(o, fx.Node)}
+    names = {}
+    for n in gm.graph.nodes:
+        if n.target in _STARTS and _STARTS[n.target] != "all_gather":
+            seen, stack = set(), [n]
+            while stack:
+                m = stack.pop()
+                if m in position and position[m] < len(ctx.input_units) and ctx.input_units[position[m]] is not None:
+                    names[n] = ctx.input_units[position[m]] or "<root>"
+                    break
+                for u in m.users:
+                    if u not in seen:
+                        seen.add(u)
+                        stack.append(u)
+    return names
+
+
 def _record(gm: fx.GraphModule, ctx: PassContext, gathers: list[fx.Node]) -> None:
     names = {ag: unit_name(ag, f"#{i}") for i, ag in enumerate(gathers)}
+    if ctx.stage == "backward":
+        names.update(_grad_units(gm, ctx))
     events = []
     for n in gm.graph.nodes:
         if n.target in _STARTS:
@@ -160,9 +186,10 @@ def _record(gm: fx.GraphModule, ctx: PassContext, gathers: list[fx.Node]) -> Non
         elif n.target == _WAIT:
             src = n.args[0]
             events.append(f"wait({names.get(src, src.name)})")
-        elif n.op == "call_function" and "mm" in str(n.target):
+        elif n.op == "call_function" and n.target in _MATMULS:
             if events and events[-1].startswith("compute"):
-                events[-1] = f"compute x{int(events[-1].split('x')[-1]) + 1}" if "x" in events[-1] else "compute x2"
+                count = 1 if events[-1] == "compute" else int(events[-1][len("compute x"):])
+                events[-1] = f"compute x{count + 1}"
             else:
                 events.append("compute")
     ctx.report.order[ctx.stage] = events
