@@ -314,6 +314,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
+def cpu_times() -> list[int] | None:
+    """The aggregate ``cpu`` line of /proc/stat (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_pct(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two `cpu_times`
+    samples: a high value flags a run measured on a contended machine."""
+    if not before or not after or len(before) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # user nice system idle iowait irq softirq steal
+    return 100.0 * delta[7] / total if total else None
+
+
 def median(xs: Iterable[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return statistics.median(vals) if vals else None

@@ -46,6 +46,7 @@ METRICS = [  # key, column header
     ("peak_live_mib", "peak live MiB"),
     ("resident_mib", "resident MiB"),
     ("rss_mib", "peak RSS MiB"),
+    ("steal_pct", "CPU steal %"),
 ]
 
 
@@ -106,7 +107,7 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
     outer = tqdm(total=len(plan), desc="runs", position=0, dynamic_ncols=True)
     for rep, layers, variant in plan:
         base = variant.removesuffix(WS1)
-        rec = {"variant": variant, "layers": layers, "rep": rep, "loadavg_1m": os.getloadavg()[0]}
+        rec = {"variant": variant, "layers": layers, "rep": rep}
         if base in unavailable:  # no need to launch it again to be told so
             records.append({**rec, "status": "unavailable", "reason": unavailable[base]})
             outer.update()
@@ -121,16 +122,17 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
             bar.total, bar.n = total, done
             bar.set_postfix_str(phase, refresh=True)
 
+        cpu0 = C.cpu_times()
         res = C.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
                        fresh_compile_cache=not args.warm_cache, on_progress=on_progress,
                        log_path=os.path.join(args.out_dir, "logs", f"fsdp_{variant}_L{layers}_r{rep}.log"))
         bar.close()
-        res.update(rec)
+        res.update(rec, steal_pct=C.steal_pct(cpu0, C.cpu_times()))
         if res["status"] == "ok":
             res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
             msg = (f"{variant:22s} L{layers} rep{rep}: step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  "
                    f"peak live {res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB  "
-                   f"(load before {rec['loadavg_1m']:.1f})")
+                   f"steal {C.fmt(res['steal_pct'], 1)}%")
         else:
             if res["status"] == "unavailable":
                 unavailable[base] = res.get("reason", "")
@@ -255,9 +257,11 @@ def main(argv=None) -> int:
         name = "fsdp_sweep"
     else:
         layers = args.depths[0]
-        ratios, extra = ratio_table(records, args.subject, layers, args.reps)
-        body = (f"## {layers} layers\n\n" + variant_table(records, args.variants, layers, args.reps)
-                + f"\n\n## Ratios (median over repetitions of paired runs)\n\n{ratios}")
+        body = f"## {layers} layers\n\n" + variant_table(records, args.variants, layers, args.reps)
+        extra = {}
+        if args.subject in args.variants:
+            ratios, extra = ratio_table(records, args.subject, layers, args.reps)
+            body += f"\n\n## Ratios (median over repetitions of paired runs)\n\n{ratios}"
         best = best_compile(records, layers, args.reps)
         extra["best_fsdp2_compile"] = best
         name = "fsdp"

@@ -20,6 +20,8 @@ import logging
 import os
 import re
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
@@ -40,6 +42,30 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
                        config: CompileConfig | None = None):
     """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
     config = config or CompileConfig(**(options or {}))
+    prepared = prepare(gm, example_inputs, config)
+    traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
+    compiled = _aot_compile(traced, prepared.fake_inputs, prepared.ctx)
+    if not prepared.dtensor_positions:
+        return compiled
+    positions = frozenset(prepared.dtensor_positions)
+
+    def run(*args):
+        return compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
+
+    return run
+
+
+@dataclass
+class Prepared:
+    """A dynamo graph traced to logical ATen, with the context the passes need."""
+
+    graph: fx.GraphModule
+    ctx: PassContext
+    fake_inputs: list
+    dtensor_positions: list[int]
+
+
+def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepared:
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
@@ -50,17 +76,9 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     if state is not None:
         state.explain.append(report)
     ctx = _context(keys, config, report, fake_mode)
+    ctx.graph_index = report.index
     ctx.input_units = _input_units(traced)
-    traced = run_passes(traced, ctx, pre_autograd_passes())
-    compiled = _aot_compile(traced, fake_inputs, ctx)
-    if not dtensor_positions:
-        return compiled
-    positions = frozenset(dtensor_positions)
-
-    def run(*args):
-        return compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
-
-    return run
+    return Prepared(traced, ctx, fake_inputs, dtensor_positions)
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:

@@ -42,6 +42,8 @@ def placement_of(node: fx.Node, axis: str) -> Placement:
 
 
 def fmt_placement(p: Placement) -> str:
+    if hasattr(p, "split_factor"):
+        return f"S({p.dim}/{p.split_factor})"
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):

@@ -8,6 +8,7 @@ Ops without a rule replicate their inputs (a logged fallback).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -17,6 +18,20 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from graphshard.passes._graph import R, aten, tensor_args, val
 
 P = Partial()
+
+
+@dataclass(frozen=True)
+class StridedShard:
+    """Dim ``dim`` is a merge of (``split_factor`` outer blocks) x (a sharded inner dim).
+
+    It arises when a view merges a sharded dim into the dims before it, as the
+    ``view(b * n_heads, s, head_dim)`` that ``matmul`` decomposes into for batched
+    attention; the matching view back splits it into ``Shard`` again. Internal to
+    the passes: it is never redistributed, only propagated.
+    """
+
+    dim: int
+    split_factor: int
 Rule = Callable[[fx.Node, list[Placement]], "tuple[list[Placement], Placement | list[Placement]]"]
 RULES: dict = {}
 
@@ -58,20 +73,23 @@ def pointwise(node: fx.Node, ins: list[Placement]):
             return ins, P
         ins = [R if isinstance(p, Partial) else p for p in ins]
     # Shard: the first sharded input decides the output dim (aligned from the right).
-    out_dim = None
+    out_dim, strided = None, None
     for p, a in zip(ins, args):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, StridedShard)):
             d = p.dim + out_nd - _ndim(a)
             if _shape(a)[p.dim] == out_shape[d]:
-                out_dim = d
+                out_dim, strided = d, (p.split_factor if isinstance(p, StridedShard) else None)
                 break
     if out_dim is None:
         return [R] * len(ins), R
     req = []
     for a in args:
         d = out_dim - (out_nd - _ndim(a))
-        req.append(Shard(d) if d >= 0 and _shape(a)[d] == out_shape[out_dim] and out_shape[out_dim] > 1 else R)
-    return req, Shard(out_dim)
+        if d >= 0 and _shape(a)[d] == out_shape[out_dim] and out_shape[out_dim] > 1:
+            req.append(Shard(d) if strided is None else StridedShard(d, strided))
+        else:
+            req.append(R)
+    return req, (Shard(out_dim) if strided is None else StridedShard(out_dim, strided))
 
 
 # ---------------------------------------------------------------- matmul family
@@ -106,8 +124,12 @@ def addmm(node, ins):
 
 @rule(aten.bmm.default)
 def bmm(node, ins):
-    return _choose(ins, [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
-                         ((R, Shard(2)), Shard(2)), ((Shard(2), Shard(1)), P)])
+    strategies = [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
+                  ((R, Shard(2)), Shard(2)), ((Shard(2), Shard(1)), P)]
+    for p in ins:
+        if isinstance(p, StridedShard) and p.dim == 0:
+            strategies.insert(0, ((p, p), p))  # heads sharded inside the batch dim: independent batches
+    return _choose(ins, strategies)
 
 
 # ---------------------------------------------------------------- dim permutations
@@ -158,18 +180,35 @@ def _dim_groups(src: tuple[int, ...], dst: tuple[int, ...]):
 @rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default)
 def view(node, ins):
     p = ins[0]
-    if not isinstance(p, Shard):
+    if not isinstance(p, (Shard, StridedShard)):
         return ins, p
     src, dst = _shape(node.args[0]), _shape(node)
     if node.target == aten.expand.default:
-        return ins, Shard(p.dim + len(dst) - len(src))
-    groups = _dim_groups(src, dst) or []
-    for sdims, ddims in groups:
-        if p.dim in sdims:
-            lead_src = next(d for d in sdims if src[d] != 1)
-            lead_dst = next((d for d in ddims if dst[d] != 1), None)
-            if p.dim == lead_src and lead_dst is not None:
-                return ins, Shard(lead_dst)
+        shift = len(dst) - len(src)
+        return ins, Shard(p.dim + shift) if isinstance(p, Shard) else StridedShard(p.dim + shift, p.split_factor)
+    for sdims, ddims in _dim_groups(src, dst) or []:
+        if p.dim not in sdims:
+            continue
+        real_src = [d for d in sdims if src[d] != 1]
+        real_dst = [d for d in ddims if dst[d] != 1]
+        if isinstance(p, StridedShard):
+            # (outer x sharded) splitting back into [outer, sharded]: a plain Shard again.
+            if len(real_src) == 1 and len(real_dst) == 2 and dst[real_dst[0]] == p.split_factor:
+                return ins, Shard(real_dst[1])
+            if len(real_src) == 1 and len(real_dst) == 1:
+                return ins, StridedShard(real_dst[0], p.split_factor)
+            break
+        if not real_dst:
+            break
+        if p.dim == real_src[0]:
+            return ins, Shard(real_dst[0])
+        if len(real_dst) == 1 and p.dim == real_src[-1]:
+            # The sharded dim is the innermost of a merge: a strided shard of the merged dim.
+            outer = 1
+            for d in real_src[:-1]:
+                outer *= src[d]
+            return ins, StridedShard(real_dst[0], outer)
+        break
     return [R], R
 
 

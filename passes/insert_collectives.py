@@ -27,6 +27,7 @@ from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes._graph import R, fmt_placement, is_tensor_node, tensor_args
+from graphshard.passes._rules import StridedShard
 from graphshard.passes.pipeline import PassContext
 
 
@@ -76,8 +77,8 @@ def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
                 nbytes = math.prod(info.dp_full_shape) * info.param_dtype.itemsize
                 nbytes = nbytes // axis.world if axis is info.shard else nbytes
                 ctx.report.collectives.append(CollectiveRecord(kind, axis.name, nbytes, info.fqn, "pre_autograd"))
-    if new is not local:
-        new.meta["placement"] = marker.meta.get("placement")
+    if marker.meta.get("placement") is not None:
+        new.meta["placement"] = marker.meta["placement"]
     marker.replace_all_uses_with(new)
     g.erase_node(marker)
 
@@ -127,6 +128,11 @@ def _steps(src, dst):
         return [(ops.to_partial.default, (), "to_partial (local)")]
     if isinstance(src, Shard) and isinstance(dst, (Shard, Partial)):
         return _steps(src, R) + _steps(R, dst)
+    if isinstance(src, StridedShard) or isinstance(dst, StridedShard):
+        raise NotImplementedError(
+            f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}: a strided shard "
+            "(a sharded dim merged into the dims before it) is only propagated until a view splits it back"
+        )
     raise NotImplementedError(f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}")
 
 

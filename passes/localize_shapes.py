@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard
 
 from graphshard.params import chunk_size
 from graphshard.passes._graph import aten
+from graphshard.passes._rules import StridedShard
 from graphshard.passes.pipeline import PassContext
 
 # op -> index of its size argument
@@ -38,9 +39,10 @@ def localize_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             i = _SIZE_ARG[node.target]
             sizes = list(node.args[i])
             for axis_name, p in pl.items():
-                if isinstance(p, Shard) and isinstance(sizes[p.dim], int) and sizes[p.dim] != -1:
+                if isinstance(p, (Shard, StridedShard)) and isinstance(sizes[p.dim], int) and sizes[p.dim] != -1:
                     axis = ctx.model_parallel[axis_name]
-                    sizes[p.dim] = chunk_size(sizes[p.dim], axis.world, axis.rank)
+                    outer = getattr(p, "split_factor", 1)
+                    sizes[p.dim] = outer * chunk_size(sizes[p.dim] // outer, axis.world, axis.rank)
             args = list(node.args)
             args[i] = sizes
             node.args = tuple(args)

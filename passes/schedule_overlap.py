@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 
 import torch
 import torch.fx as fx
@@ -39,12 +40,12 @@ def _wait_of(start: fx.Node) -> fx.Node | None:
 
 
 def _exclusive_prep(start: fx.Node) -> list[fx.Node]:
-    """The nodes that exist only to build ``start``'s input (casts, pads, the bucket's cat)."""
+    """The layout ops that exist only to build ``start``'s input (casts, pads, the bucket's cat)."""
     prep: set[fx.Node] = set()
     stack = list(start.all_input_nodes)
     while stack:
         n = stack.pop()
-        if n.op != "call_function" or n in prep:
+        if n.op != "call_function" or n in prep or n.target not in _LAYOUT:
             continue
         if all(u is start or u in prep for u in n.users):
             prep.add(n)
@@ -72,7 +73,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         key=lambda s: index[_wait_of(s)],
     )
     limit = ctx.config.limit_all_gathers
-    for k, ag in enumerate(gathers):
+    for k, ag in enumerate(gathers if limit > 1 else []):  # limit 1: each gather stays at its use
         chain = _exclusive_prep(ag) + [ag]
         for n in chain:
             key[n] = -math.inf
@@ -86,8 +87,11 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if w is None:
             continue
         if s in gathers:
-            first_use = min((index[u] for u in w.users), default=index[w])
-            key[w] = first_use - 0.5
+            chain = _view_chain(w)
+            real_uses = [index[u] for n in chain for u in n.users if u not in chain]
+            first_use = min(real_uses, default=index[w])
+            for n in chain:
+                key[n] = first_use - 0.5
         elif _STARTS[s.target] in ("reduce_scatter", "all_reduce") and ctx.stage == "backward":
             for n in _exclusive_prep(s) + [s]:
                 key[n] = -math.inf
@@ -97,6 +101,29 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     _reorder(g, order)
     _record(gm, ctx, gathers)
     return gm
+
+
+_VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.permute.default, torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor,
+          torch.ops.aten.narrow.default, torch.ops.aten.split_with_sizes.default, torch.ops.aten.alias.default,
+          torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.select.int, torch.ops.aten.squeeze.dim, torch.ops.aten.as_strided.default,
+          torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default, operator.getitem}
+
+
+_LAYOUT = _VIEWS | {torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default,
+                    torch.ops.aten.clone.default, torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor}
+
+
+def _view_chain(wait: fx.Node) -> list[fx.Node]:
+    """The wait and the views/casts that only re-shape its result (they move with it)."""
+    chain, stack = [wait], [wait]
+    while stack:
+        for u in stack.pop().users:
+            if u.op == "call_function" and u.target in _VIEWS and u not in chain:
+                chain.append(u)
+                stack.append(u)
+    return chain
 
 
 def _is_unit_gather(ag: fx.Node) -> bool:

@@ -119,3 +119,19 @@ def token_batch(
     g = torch.Generator().manual_seed(seed * 100_003 + step)
     data = torch.randint(0, vocab, (batch, seq_len + 1), generator=g)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+
+class SharedBlockMLP(nn.Module):
+    """One ``nn.Linear`` object reachable as ``first`` and ``second`` (applied twice)."""
+
+    def __init__(self, dim_in: int = 10, hidden: int = 16, dim_out: int = 7):
+        super().__init__()
+        self.inp = nn.Linear(dim_in, hidden)
+        block = nn.Linear(hidden, hidden)
+        self.first = block
+        self.second = block
+        self.out = nn.Linear(hidden, dim_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.first(self.inp(x)))
+        return self.out(F.gelu(self.second(h)))

@@ -1,0 +1,88 @@
+import torch
+from expecttest import TestCase
+
+from _golden import graph_after
+from _models import fsdp_plan, mlp, tp_mlp_plan
+import graphshard
+
+
+class TestInsertCollectives(TestCase):
+    def test_tp_mlp_all_reduce_only_after_rowwise(self):
+        text = graph_after(mlp(), tp_mlp_plan(), (torch.randn(4, 16),), "insert_collectives")
+        self.assertEqual(text.count("graphshard.all_reduce"), 1)
+        self.assertNotIn("graphshard.all_gather", text)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 8]", arg4_1: "f32[8]"):
+        # No stacktrace found for following nodes
+        to_partial_default: "f32[8]" = torch.ops.graphshard.to_partial.default(arg4_1, 0);  arg4_1 = None
+        t: "f32[16, 32]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
+        addmm: "f32[4, 32]" = torch.ops.aten.addmm.default(arg1_1, arg2_1, t);  arg1_1 = arg2_1 = t = None
+        gelu: "f32[4, 32]" = torch.ops.aten.gelu.default(addmm);  addmm = None
+        t_1: "f32[32, 8]" = torch.ops.aten.t.default(arg3_1);  arg3_1 = None
+        addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(to_partial_default, gelu, t_1);  to_partial_default = gelu = t_1 = None
+        all_reduce_default: "f32[4, 8]" = torch.ops.graphshard.all_reduce.default(addmm_1, 'tp', 4);  addmm_1 = None
+        return (all_reduce_default,)
+""")
+
+    def test_fsdp_markers_become_unshard(self):
+        plan = graphshard.Plan(fsdp_plan().mesh, {"": graphshard.FullyShard()})
+        text = graph_after(mlp(), plan, (torch.randn(4, 16),), "insert_collectives")
+        self.assertNotIn("graphshard.param", text)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[2, 32]", arg4_1: "f32[2]"):
+        # No stacktrace found for following nodes
+        unshard_default = torch.ops.graphshard.unshard.default([arg0_1], ['fc1.weight']);  arg0_1 = None
+        getitem: "f32[32, 16]" = unshard_default[0];  unshard_default = None
+        unshard_default_1 = torch.ops.graphshard.unshard.default([arg1_1], ['fc1.bias']);  arg1_1 = None
+        getitem_1: "f32[32]" = unshard_default_1[0];  unshard_default_1 = None
+        t: "f32[16, 32]" = torch.ops.aten.t.default(getitem);  getitem = None
+        addmm: "f32[4, 32]" = torch.ops.aten.addmm.default(getitem_1, arg2_1, t);  getitem_1 = arg2_1 = t = None
+        gelu: "f32[4, 32]" = torch.ops.aten.gelu.default(addmm);  addmm = None
+        unshard_default_2 = torch.ops.graphshard.unshard.default([arg3_1], ['fc2.weight']);  arg3_1 = None
+        getitem_2: "f32[8, 32]" = unshard_default_2[0];  unshard_default_2 = None
+        unshard_default_3 = torch.ops.graphshard.unshard.default([arg4_1], ['fc2.bias']);  arg4_1 = None
+        getitem_3: "f32[8]" = unshard_default_3[0];  unshard_default_3 = None
+        t_1: "f32[32, 8]" = torch.ops.aten.t.default(getitem_2);  getitem_2 = None
+        addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(getitem_3, gelu, t_1);  getitem_3 = gelu = t_1 = None
+        return (addmm_1,)
+""")
+
+    def test_replicated_input_of_sharded_op_gets_grad_all_reduce(self):
+        # The input x of the column-parallel fc1 comes from a parameter-dependent value
+        # (a replicated pre-layer), so its gradient from fc1 is partial: all-reduced in backward.
+        class Pre(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.pre = torch.nn.Linear(16, 16)
+                self.mlp = mlp()
+
+            def forward(self, x):
+                return self.mlp(self.pre(x))
+
+        from torch.distributed.tensor import Shard
+
+        plan = graphshard.Plan(tp_mlp_plan().mesh, {
+            "mlp.fc1": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0)),
+            "mlp.fc2": graphshard.ShardParams("tp", weight=Shard(1)),
+        })
+        torch.manual_seed(0)
+        text = graph_after(Pre(), plan, (torch.randn(4, 16),), "insert_collectives")
+        self.assertEqual(text.count("graphshard.grad_all_reduce"), 1)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[16, 16]", arg1_1: "f32[16]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 16]", arg4_1: "f32[8]", arg5_1: "f32[8, 8]", arg6_1: "f32[8]"):
+        # No stacktrace found for following nodes
+        to_partial_default: "f32[8]" = torch.ops.graphshard.to_partial.default(arg6_1, 0);  arg6_1 = None
+        t: "f32[16, 16]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
+        addmm: "f32[4, 16]" = torch.ops.aten.addmm.default(arg1_1, arg2_1, t);  arg1_1 = arg2_1 = t = None
+        grad_all_reduce_default: "f32[4, 16]" = torch.ops.graphshard.grad_all_reduce.default(addmm, 'tp', 4);  addmm = None
+        t_1: "f32[16, 32]" = torch.ops.aten.t.default(arg3_1);  arg3_1 = None
+        addmm_1: "f32[4, 32]" = torch.ops.aten.addmm.default(arg4_1, grad_all_reduce_default, t_1);  arg4_1 = grad_all_reduce_default = t_1 = None
+        gelu: "f32[4, 32]" = torch.ops.aten.gelu.default(addmm_1);  addmm_1 = None
+        t_2: "f32[32, 8]" = torch.ops.aten.t.default(arg5_1);  arg5_1 = None
+        addmm_2: "f32[4, 8]" = torch.ops.aten.addmm.default(to_partial_default, gelu, t_2);  to_partial_default = gelu = t_2 = None
+        all_reduce_default: "f32[4, 8]" = torch.ops.graphshard.all_reduce.default(addmm_2, 'tp', 4);  addmm_2 = None
+        return (all_reduce_default,)
+""")

@@ -1,0 +1,137 @@
+"""Multi-rank numerics worker: ``torchrun --nproc-per-node N tests/workers/numerics.py CASE [CASE ...]``.
+
+Each CASE is ``model:strategy:lower`` (e.g. ``transformer:full_shard:inductor``).
+``lower`` is ``inductor`` or ``eager`` (graphshard.compile), ``backend`` (graphshard.shard,
+then ``torch.compile(model, backend="graphshard")`` by name) or ``uncompiled``
+(graphshard.shard only: the eager debugging path).
+For each, every rank trains the sharded model for 5 steps of SGD with momentum
+on its slice of the global batch, and compares the loss (averaged over ranks)
+and every gathered parameter with a single-process run of the same model on
+the whole global batch. Rank 0 prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+
+import graphshard
+from graphshard.testing.models import MLP, SharedBlockMLP, Transformer, TransformerConfig, lm_loss, token_batch
+
+STEPS = 5
+SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def build(model_name: str):
+    torch.manual_seed(0)
+    if model_name == "transformer":
+        return Transformer(SMALL)
+    if model_name == "shared":
+        return SharedBlockMLP()
+    return MLP(10, 30, 7)
+
+
+def batch(model_name: str, step: int, n: int):
+    if model_name == "transformer":
+        return token_batch(step, n, SMALL.max_seq_len, SMALL.vocab_size, seed=1)
+    g = torch.Generator().manual_seed(step + 11)
+    return torch.randn(n, 10, generator=g), torch.randn(n, 7, generator=g)
+
+
+def loss_fn(model_name: str, out, y):
+    return lm_loss(out, y) if model_name == "transformer" else torch.nn.functional.mse_loss(out, y)
+
+
+def plan_for(strategy: str, world: int):
+    if strategy == "hybrid":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        return graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()}), world
+    if strategy == "tp":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        return graphshard.Plan(mesh, {
+            "fc1": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0)),
+            "fc2": graphshard.ShardParams("tp", weight=Shard(1)),
+        }), 1
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    spec = {
+        "full_shard": graphshard.FullyShard(),
+        "shard_grad_op": graphshard.FullyShard(reshard_after_forward=False),
+        "replicate": graphshard.Replicate(),
+    }[strategy]
+    return graphshard.Plan(mesh, {"layers.*": spec, "": spec}), world
+
+
+def run_case(case: str) -> dict:
+    model_name, strategy, lower = case.split(":")
+    from graphshard._compat import dynamo_counters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    dynamo_counters().clear()
+    ref = build(model_name)
+    model = copy.deepcopy(ref)
+    plan, dp_world = plan_for(strategy, world)
+    rules = {k: v for k, v in plan.rules.items() if model_name == "transformer" or k in ("", "fc1", "fc2")}
+    if model_name == "shared":
+        rules = {"first": rules[""], "": rules[""]}
+    plan = graphshard.Plan(plan.mesh, rules)
+    if lower in ("inductor", "eager"):
+        graphshard.compile(model, plan, lower=lower)
+    else:
+        graphshard.shard(model, plan)
+        if lower == "backend":
+            model = torch.compile(model, backend="graphshard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    per_rank = 2
+    dp_rank = rank if dp_world > 1 else 0
+    loss_err = 0.0
+    for step in range(STEPS):
+        x, y = batch(model_name, step, per_rank * dp_world)
+        sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        loss = loss_fn(model_name, model(x[sl]), y[sl])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_loss = loss_fn(model_name, ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= world
+        loss_err = max(loss_err, abs(mean.item() - ref_loss.item()))
+    param_err, names = 0.0, []
+    ref_params = dict(ref.named_parameters())
+    for name, p in getattr(model, "_orig_mod", model).named_parameters():
+        assert isinstance(p, DTensor), f"{name} is not a DTensor"
+        full = p.full_tensor()
+        param_err = max(param_err, (full - ref_params[name]).abs().max().item())
+        names.append(name)
+    counters = dynamo_counters()
+    return {
+        "case": case, "loss_err": loss_err, "param_err": param_err, "params": names,
+        "ref_names": list(ref_params), "state_dict": list(getattr(model, "_orig_mod", model).state_dict()),
+        "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
+        "frames": int(counters["stats"]["unique_graphs"]),
+    }
+
+
+def main(cases: list[str]) -> None:
+    dist.init_process_group("gloo")
+    for case in cases:
+        result = run_case(case)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
