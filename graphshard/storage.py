@@ -11,6 +11,7 @@ module, tied weights) is one object, sharded once, and every FQN points at it.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -132,6 +133,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
                 names[pname] = key_of[id(p)]
         if names:
             _install_markers(mod, names)
+    _install_root_forward(model)
     state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units)
     register(list(infos.values()), model)
     model._graphshard = state
@@ -157,9 +159,35 @@ def _install_markers(mod: nn.Module, keys: dict[str, str]) -> None:
 def _marker_getter(name: str):
     def get(self):
         p = self._parameters[name]
-        if isinstance(p, DTensor):
+        if isinstance(p, DTensor) and (torch.compiler.is_compiling() or _forward.depth > 0):
             return ops.param(p.to_local(), self._graphshard_keys[name], p.shape)
-        return p  # replaced by the user after sharding: used as given
+        return p  # outside forward: the sharded parameter itself, as FSDP2 shows it
 
     get.__name__ = name
     return get
+
+
+class _ForwardDepth(threading.local):
+    depth = 0
+
+
+_forward = _ForwardDepth()
+
+
+def _install_root_forward(model: nn.Module) -> None:
+    """Parameters read inside the sharded model's forward go through the marker (gathered);
+    read anywhere else they are the sharded DTensors."""
+    cls = type(model)
+    base = getattr(cls, "_graphshard_base", cls)
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return base.forward(self, *args, **kwargs)
+        _forward.depth += 1
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            _forward.depth -= 1
+
+    model.__class__ = type(base.__name__, (cls,), {"forward": forward, "_graphshard_base": base,
+                                                   "__module__": base.__module__})

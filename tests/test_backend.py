@@ -1,0 +1,87 @@
+"""The torch.compile backend: registration, recompiles, explain, mixed precision."""
+
+import subprocess
+import sys
+
+import torch
+from expecttest import TestCase
+
+import graphshard
+from _golden import compiled_stages
+from _models import fsdp_plan, mesh1d, mlp, stack
+from graphshard._compat import dynamo_counters
+
+
+def test_backend_registered_by_entry_point_without_importing_graphshard():
+    code = "import torch\nfrom torch._dynamo import list_backends\nprint('graphshard' in list_backends())\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "True", out.stderr
+    code = "import torch, sys\nfrom torch._dynamo import lookup_backend\nfn = lookup_backend('graphshard')\nprint(fn.__module__)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "graphshard.backend", out.stderr
+
+
+def test_no_recompile_over_steps_and_no_graph_breaks():
+    dynamo_counters().clear()
+    model = mlp()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(4):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert dynamo_counters()["stats"]["unique_graphs"] == 1
+    assert sum(dynamo_counters()["graph_break"].values()) == 0
+
+
+def test_torch_compile_by_backend_name_on_a_prepared_model():
+    model = graphshard.shard(mlp(), graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}))
+    compiled = torch.compile(model, backend="graphshard", options={"lower": "eager"})
+    compiled(torch.randn(4, 16)).sum().backward()
+    assert len(model._graphshard.explain) == 1
+    assert any(c.kind == "all_gather" for c in model._graphshard.explain[0].collectives)
+
+
+class TestExplainAndMixedPrecision(TestCase):
+    def test_explain_report(self):
+        model = stack()
+        compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),))
+        text = graphshard.explain(model)
+        self.assertIn("layers.1: 1 parameters (layers.1.weight)", text)
+        self.assertIn("all_gather      axis=dp", text)
+        self.assertIn("reduce_scatter  axis=dp", text)
+        self.assertIn("order after scheduling (forward): all_gather(layers.0)", text)
+        self.assertIn("fallbacks: none", text)
+
+    def test_param_dtype_casts_before_gather_and_reduces_in_reduce_dtype(self):
+        spec = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        g = compiled_stages(stack(), fsdp_plan(**spec), (torch.randn(4, 8, dtype=torch.bfloat16),))
+        fw = g["forward"]
+        # the local fp32 shard is cast to bf16, then gathered as bf16
+        self.assertRegex(fw, r'convert_element_type[^\n]*\n[^\n]*"bf16\[16\]" = torch.ops.aten.view.default|"bf16\[16\]"')
+        self.assertRegex(fw, r'all_gather_into_tensor[^\n]*"bf16\[64\]"|"bf16\[64\]" = torch.ops._c10d_functional.all_gather')
+        bw = g["backward"]
+        self.assertRegex(bw, r'"f32\[16\]" = torch.ops._c10d_functional.reduce_scatter_tensor')
+
+    def test_strict_mode_names_op_without_rule(self):
+        from torch.distributed.tensor import Shard
+
+        class Odd(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return torch.cumsum(self.fc(x), dim=1)
+
+        torch.manual_seed(0)
+        plan = graphshard.Plan(mesh1d("tp"), {"fc": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0))})
+        model = Odd()
+        graphshard.compile(model, plan, lower="eager", strict=True)
+        with self.assertRaisesRegex(Exception, r"no placement rule for aten.cumsum.default \(node 'cumsum'\)"):
+            model(torch.randn(2, 8))
+        torch._dynamo.reset()
+        model2 = Odd()
+        graphshard.compile(model2, plan, lower="eager")
+        model2(torch.randn(2, 8))
+        self.assertIn("aten.cumsum.default at node 'cumsum': no placement rule", graphshard.explain(model2))

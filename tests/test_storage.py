@@ -1,0 +1,69 @@
+"""Sharded storage: DTensor parameters under the user's FQNs, shared objects sharded once."""
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+import graphshard
+from _models import fsdp_plan, mesh1d, mlp, tiny_transformer
+from graphshard.testing.models import SharedBlockMLP
+
+
+def test_parameters_become_sharded_dtensors_with_user_fqns():
+    model = tiny_transformer()
+    names = [n for n, _ in model.named_parameters()]
+    sd_keys = list(model.state_dict())
+    graphshard.shard(model, fsdp_plan())
+    assert [n for n, _ in model.named_parameters()] == names
+    assert list(model.state_dict()) == sd_keys
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), name
+    assert type(model).__name__ == "Transformer" and isinstance(model, torch.nn.Module)
+
+
+def test_tied_weight_is_one_object_under_both_fqns():
+    model = tiny_transformer()
+    graphshard.shard(model, fsdp_plan())
+    assert model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
+    sd = model.state_dict()
+    assert sd["output.weight"].to_local().data_ptr() == sd["tok_embeddings.weight"].to_local().data_ptr()
+    assert len(model._graphshard.infos) == len(list(model.parameters()))
+
+
+def test_shared_module_is_sharded_once():
+    model = SharedBlockMLP()
+    plan = graphshard.Plan(mesh1d("dp"), {"first": graphshard.FullyShard(), "": graphshard.FullyShard()})
+    graphshard.shard(model, plan)
+    assert model.first is model.second
+    assert set(model._graphshard.units) == {"first", ""}
+    info = model._graphshard.info_for_fqn("second.weight")
+    assert info.layout.fqns == ("first.weight", "second.weight") and info.layout.unit == "first"
+
+
+def test_uneven_rows_follow_torch_chunk():
+    model = mlp()  # fc2.weight has 8 rows -> 2 per rank; fc1.bias 32 -> 8; fc1 is even too
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()})
+    odd = torch.nn.Linear(16, 7)
+    graphshard.shard(odd, plan)  # 7 rows over 4 ranks: 2, 2, 2, 1
+    assert odd.weight.to_local().shape == (2, 16)
+    info = odd._graphshard.info_for_fqn("weight")
+    assert (info.chunk_rows, info.local_rows) == (2, 2)
+
+
+def test_model_parallel_params_are_sharded_over_their_axis():
+    from _models import tp_mlp_plan
+
+    model = mlp()
+    graphshard.shard(model, tp_mlp_plan())
+    assert model.fc1.weight.placements == (Shard(0),) and model.fc1.weight.to_local().shape == (8, 16)
+    assert model.fc2.weight.placements == (Shard(1),) and model.fc2.weight.to_local().shape == (8, 8)
+    assert model.fc2.bias.placements[0].is_replicate()
+
+
+def test_optimizer_and_grad_clipping_work_on_the_sharded_parameters():
+    model = mlp()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 16)).sum().backward()
+    assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
