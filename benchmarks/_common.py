@@ -6,7 +6,8 @@ Two halves, used by different processes:
   `peak_live_bytes`, `live_tensor_bytes`, `peak_rss_mib`, `dynamo_counts`,
   `gather_to_rank0`, `progress`.
 * Driver side (the plain ``python`` process that launches one ``torchrun`` per
-  run): `launch`, `median`, `paired_ratio`, `markdown_table`, `fmt`.
+  run, see ``_launch.py``): `median`, `paired_ratio`, `markdown_table`, `fmt`,
+  `plot_lines`.
 
 Benchmarks may use private torch APIs (the profiler's kineto results, dynamo
 counters); library code may not.
@@ -22,13 +23,7 @@ import gc
 import json
 import os
 import resource
-import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -240,97 +235,6 @@ def write_json(path: str, obj: Any) -> None:
 
 
 # --------------------------------------------------------------------------- driver side
-
-
-def launch(
-    script: str,
-    args: Sequence[str],
-    *,
-    nproc: int,
-    log_path: str,
-    env: dict[str, str] | None = None,
-    fresh_compile_cache: bool = True,
-    timeout: float = 3600.0,
-    on_progress: Callable[[int, int, str], None] | None = None,
-) -> dict[str, Any]:
-    """Run ``torchrun --standalone --nproc-per-node nproc script args --out <tmp>``.
-
-    Streams stdout+stderr into ``log_path``, calls ``on_progress`` for every
-    ``@@progress`` line, and returns the JSON rank 0 wrote (or a
-    ``{"status": "failed", ...}`` record). With ``fresh_compile_cache`` the
-    Inductor/Triton caches point at a new empty directory, so every run pays
-    a cold compile, as the first run in a fresh environment would.
-    """
-    tmp = tempfile.mkdtemp(prefix="gsbench_")
-    out = os.path.join(tmp, "result.json")
-    run_env = dict(os.environ if env is None else env)
-    run_env["PYTHONUNBUFFERED"] = "1"
-    if fresh_compile_cache:
-        run_env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        run_env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           script, *args, "--out", out]
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    t0 = time.perf_counter()
-    try:
-        with open(log_path, "w") as log:
-            log.write("$ " + " ".join(cmd) + "\n")
-            log.flush()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env,
-                                    start_new_session=True)
-            # A hung collective must not hang the driver: kill the run's own process group.
-            watchdog = threading.Timer(timeout, lambda: _kill_group(proc))
-            watchdog.start()
-            assert proc.stdout is not None
-            try:
-                for line in proc.stdout:
-                    log.write(line)
-                    if line.startswith(PROGRESS_TAG) and on_progress is not None:
-                        _, done, total, phase = line.split(maxsplit=3)
-                        on_progress(int(done), int(total), phase.strip())
-                rc = proc.wait()
-            except BaseException:  # Ctrl-C in the driver: take the run down with it
-                _kill_group(proc)
-                raise
-            finally:
-                watchdog.cancel()
-        wall = time.perf_counter() - t0
-        if os.path.exists(out):
-            with open(out) as f:
-                res = json.load(f)
-        else:
-            res = {"status": "failed", "reason": f"exit code {rc}, no result; see {log_path}"}
-        res["launch_wall_s"] = wall
-        res["log"] = log_path
-        return res
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def cpu_times() -> list[int] | None:
-    """The aggregate ``cpu`` line of /proc/stat (None where there is none)."""
-    try:
-        with open("/proc/stat") as f:
-            return [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-
-
-def steal_pct(before: list[int] | None, after: list[int] | None) -> float | None:
-    """Share of CPU time the hypervisor gave to other guests between two `cpu_times`
-    samples: a high value flags a run measured on a contended machine."""
-    if not before or not after or len(before) < 8:
-        return None
-    delta = [b - a for a, b in zip(before, after)]
-    total = sum(delta[:8])  # user nice system idle iowait irq softirq steal
-    return 100.0 * delta[7] / total if total else None
 
 
 def median(xs: Iterable[float | None]) -> float | None:

@@ -21,6 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import _launch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fsdp_worker.py")
@@ -46,7 +47,7 @@ METRICS = [  # key, column header
     ("peak_live_mib", "peak live MiB"),
     ("resident_mib", "resident MiB"),
     ("rss_mib", "peak RSS MiB"),
-    ("steal_pct", "CPU steal %"),
+    ("other_cpu_pct", "other CPU %"),
 ]
 
 
@@ -70,8 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="CPU: OMP_NUM_THREADS per rank, also for world-1 runs (default cores // nproc)")
     p.add_argument("--warm-cache", action="store_true",
                    help="share Inductor/Triton caches between runs (default: a cold cache per run)")
+    p.add_argument("--idle-wait", type=float, default=60.0,
+                   help="before each run, wait up to this many seconds for the machine to be idle (0: off)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
     p.add_argument("--out-dir", default=os.path.join(REPO, "bench_out"))
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help="no runs: re-print the report of a saved fsdp.json / fsdp_sweep.json")
     a = p.parse_args(argv)
     a.reps = a.reps or (1 if a.quick else 2)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
@@ -122,17 +127,19 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
             bar.total, bar.n = total, done
             bar.set_postfix_str(phase, refresh=True)
 
-        cpu0 = C.cpu_times()
-        res = C.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
-                       fresh_compile_cache=not args.warm_cache, on_progress=on_progress,
-                       log_path=os.path.join(args.out_dir, "logs", f"fsdp_{variant}_L{layers}_r{rep}.log"))
+        bar.set_postfix_str("waiting for an idle machine", refresh=True)
+        waited = _launch.wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
+        with _launch.CpuMonitor() as mon:
+            res = _launch.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
+                                 fresh_compile_cache=not args.warm_cache, on_progress=on_progress,
+                                 log_path=os.path.join(args.out_dir, "logs", f"fsdp_{variant}_L{layers}_r{rep}.log"))
         bar.close()
-        res.update(rec, steal_pct=C.steal_pct(cpu0, C.cpu_times()))
+        res.update(rec, other_cpu_pct=mon.other_pct, steal_pct=mon.steal_pct, idle_wait_s=waited)
         if res["status"] == "ok":
             res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
             msg = (f"{variant:22s} L{layers} rep{rep}: step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  "
                    f"peak live {res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB  "
-                   f"steal {C.fmt(res['steal_pct'], 1)}%")
+                   f"other CPU {C.fmt(res['other_cpu_pct'], 0)}%")
         else:
             if res["status"] == "unavailable":
                 unavailable[base] = res.get("reason", "")
@@ -172,11 +179,16 @@ def best_compile(records, layers: int, reps: int) -> str | None:
     return min(meds, key=meds.get) if meds else None
 
 
+def _cell(x: float | None, key: str) -> str:
+    """Seconds to 3 decimals; MiB and percentages to 1."""
+    return C.fmt(x, 3 if key.endswith("_s") else 1)
+
+
 def variant_table(records, variants, layers: int, reps: int) -> str:
     headers = ["variant", "world", "status", *(h for _, h in METRICS), "step s range", "graph breaks", "last loss"]
     rows = []
     for v in variants:
-        vals = {k: C.median(per_rep(records, v, layers, k, reps)) for k, _ in METRICS}
+        vals = {k: _cell(C.median(per_rep(records, v, layers, k, reps)), k) for k, _ in METRICS}
         steps = [s for s in per_rep(records, v, layers, "step_s", reps) if s is not None]
         ok = [r for r in records if r["variant"] == v and r["layers"] == layers and r.get("status") == "ok"]
         rows.append([
@@ -216,6 +228,8 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
         out[peer] = dict(zip(("step_s", "ttfs_s", "peak_live_mib", "rss_mib"), cells))
     table = C.markdown_table([f"{subject} / peer", "step time", "setup+1st step", "peak live mem", "peak RSS"],
                              rows)
+    if not any(r["variant"] == subject + WS1 for r in records):
+        return table, out
     floor = per_rep(records, subject + WS1, layers, "step_s", reps)
     eff = C.paired_ratio(floor, per_rep(records, subject, layers, "step_s", reps))
     out["overlap_efficiency"] = eff
@@ -230,7 +244,7 @@ def sweep_report(records, args) -> tuple[str, dict]:
     for key, title in (("step_s", "median step time (s)"), ("ttfs_s", "setup + first step (s)"),
                        ("peak_live_mib", "peak live tensor memory (MiB)"), ("rss_mib", "peak RSS (MiB)")):
         series = {v: [C.median(per_rep(records, v, d, key, args.reps)) for d in args.depths] for v in variants}
-        rows = [[d, *(series[v][i] for v in variants)] for i, d in enumerate(args.depths)]
+        rows = [[d, *(_cell(series[v][i], key) for v in variants)] for i, d in enumerate(args.depths)]
         sections.append(f"### {title}\n\n" + C.markdown_table(["layers", *variants], rows))
         if key != "rss_mib":
             panels[title] = series
@@ -243,15 +257,10 @@ def sweep_report(records, args) -> tuple[str, dict]:
     return "\n\n".join(sections), {"png": png}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    nproc, env, hw = device_setup(args)
-    os.makedirs(args.out_dir, exist_ok=True)
+def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
+    """Markdown report, output name and summary for the runs."""
     header = (f"# FSDP benchmark: {hw}; batch 8/rank x seq 128, AdamW; warmup {args.warmup}, "
               f"{args.steps} timed steps, {args.reps} rep(s); {'warm' if args.warm_cache else 'cold'} compile cache")
-    print(header)
-    t0 = time.perf_counter()
-    records = run_all(args, nproc, env)
     if args.sweep:
         body, extra = sweep_report(records, args)
         name = "fsdp_sweep"
@@ -262,19 +271,38 @@ def main(argv=None) -> int:
         if args.subject in args.variants:
             ratios, extra = ratio_table(records, args.subject, layers, args.reps)
             body += f"\n\n## Ratios (median over repetitions of paired runs)\n\n{ratios}"
-        best = best_compile(records, layers, args.reps)
-        extra["best_fsdp2_compile"] = best
+        extra["best_fsdp2_compile"] = best_compile(records, layers, args.reps)
         name = "fsdp"
-    report = f"{header}\n\n{body}\n"
     mem = {r.get("mem_method") for r in records if r.get("mem_method")}
-    report += f"\npeak live memory measured by: {', '.join(sorted(mem)) or '-'}\n"
-    print("\n" + report)
+    text = f"{header}\n\n{body}\n\npeak live memory measured by: {', '.join(sorted(mem)) or '-'}\n"
+    return text, name, extra
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    from_json = args.from_json
+    if from_json:  # re-report saved runs (e.g. after changing the tables)
+        with open(from_json) as f:
+            saved = json.load(f)
+        out_dir, subject = args.out_dir, args.subject
+        args = argparse.Namespace(**saved["args"])
+        args.out_dir, args.subject = out_dir, subject
+        records, hw = saved["runs"], saved["hardware"]
+    else:
+        nproc, env, hw = device_setup(args)
+        os.makedirs(args.out_dir, exist_ok=True)
+        print(f"# FSDP benchmark: {hw}")
+        records = run_all(args, nproc, env)
+    text, name, extra = report(args, records, hw)
+    print("\n" + text)
     with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
-        f.write(report)
-    C.write_json(os.path.join(args.out_dir, name + ".json"),
-                 {"args": vars(args), "hardware": hw, "wall_s": time.perf_counter() - t0,
-                  "summary": extra, "runs": records})
-    print(f"wrote {os.path.join(args.out_dir, name + '.json')}"
+        f.write(text)
+    if not from_json:
+        C.write_json(os.path.join(args.out_dir, name + ".json"),
+                     {"args": vars(args), "hardware": hw, "wall_s": time.perf_counter() - t0,
+                      "summary": extra, "runs": records})
+    print(f"wrote {os.path.join(args.out_dir, name + '.md')}"
           + (f" and {extra['png']}" if extra.get("png") else ""))
     return 0
 

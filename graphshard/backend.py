@@ -15,14 +15,17 @@ backend
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import re
+import time
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
@@ -42,9 +45,15 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
                        config: CompileConfig | None = None):
     """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
     config = config or CompileConfig(**(options or {}))
+    t0 = time.perf_counter()
     prepared = prepare(gm, example_inputs, config)
+    t1 = time.perf_counter()
     traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
+    t2 = time.perf_counter()
     compiled = _aot_compile(traced, prepared.fake_inputs, prepared.ctx)
+    times = prepared.ctx.report.compile_seconds
+    times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
+    times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
     if not prepared.dtensor_positions:
         return compiled
     positions = frozenset(prepared.dtensor_positions)
@@ -141,11 +150,18 @@ def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> Pas
 def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     def stage_compiler(stage: str):
         def compile_graph(g: fx.GraphModule, inputs):
+            start = time.perf_counter()
+            try:
+                return _compile_stage(g, inputs, stage)
+            finally:
+                ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
+
+        def _compile_stage(g: fx.GraphModule, inputs, stage):
             ctx.stage = stage
             g = run_passes(g, ctx, post_partition_passes())
             if ctx.config.lower == "eager":
                 return _compat.boxed_nop(g, inputs)
-            with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
+            with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.stagger_compile):
                 compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
             source = getattr(compiled, "source_code", None)
             if source:
@@ -167,6 +183,23 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=_compat.min_cut_rematerialization_partition,
         decompositions=decomps,
     )
+
+
+@contextlib.contextmanager
+def _staggered(enabled: bool):
+    """Local rank 0 compiles first; the other local ranks wait at a barrier, then compile with
+    its kernels already in the shared on-disk cache. Every rank passes exactly one barrier."""
+    if not enabled or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        yield
+        return
+    leader = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if not leader:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if leader:
+            dist.barrier()
 
 
 _LOWERED_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(")

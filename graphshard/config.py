@@ -15,6 +15,9 @@ class CompileConfig:
     ``limit_all_gathers - 1`` prefetched ahead of it (FSDP's ``limit_all_gathers``). 1 disables prefetch."""
     strict: bool = False
     """Make a missing placement rule an error (naming the op and node) instead of a logged fallback."""
+    stagger_compile: bool = True
+    """Lower on each node's local rank 0 first while the other local ranks wait, then let them
+    reuse its on-disk Inductor cache, instead of every rank compiling the same kernels at once."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

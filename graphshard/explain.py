@@ -23,6 +23,7 @@ class GraphReport:
     lowered_order: dict[str, list[str]] = field(default_factory=dict)  # stage -> order in generated code
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     def format(self) -> str:
         lines = [f"graph {self.index}:"]
@@ -42,6 +43,8 @@ class GraphReport:
         for stage, order in self.lowered_order.items():
             lines.append(f"  order in lowered code ({stage}): {' -> '.join(order)}")
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
+        if self.compile_seconds:
+            lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)

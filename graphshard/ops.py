@@ -15,6 +15,7 @@ collectives that the scheduling pass and Inductor can move.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -84,26 +85,87 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
 
 # --------------------------------------------------------------------------------------------
 # Data-parallel gather / gradient reduction of a bucket of parameters (one FSDP unit).
+#
+# The copies into and out of the collective buffers are opaque ops (like FSDP2's copy-in and
+# split-with-sizes-copy): Inductor runs them as extern calls instead of generating a kernel for
+# each fused variant, which keeps cold compile time flat.
 # --------------------------------------------------------------------------------------------
+lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
+lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
+lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
+lib.define("unpack_reduced(Tensor buf, SymInt[] numels, SymInt[] keep) -> Tensor[]")
+
+
+@torch.library.impl(lib, "pack", "CompositeExplicitAutograd")
+def _pack(xs, numels, dtype):
+    out = xs[0].new_zeros(sum(numels), dtype=dtype)
+    offset = 0
+    for x, n in zip(xs, numels):
+        out.narrow(0, offset, x.numel()).copy_(x.reshape(-1))
+        offset += n
+    return out
+
+
+@torch.library.register_fake("graphshard::pack")
+def _pack_fake(xs, numels, dtype):
+    return xs[0].new_empty(sum(numels), dtype=dtype)
+
+
+@torch.library.impl(lib, "unpack", "CompositeExplicitAutograd")
+def _unpack(buf, world, numels):
+    rows = buf.view(world, -1)
+    return [p.contiguous().view(-1) for p in torch.split(rows, list(numels), dim=1)] if len(numels) > 1 else [buf.clone()]
+
+
+@torch.library.register_fake("graphshard::unpack")
+def _unpack_fake(buf, world, numels):
+    return [buf.new_empty(world * n) for n in numels]
+
+
+@torch.library.impl(lib, "pack_grads", "CompositeExplicitAutograd")
+def _pack_grads(grads, world, numels, dtype):
+    out = grads[0].new_zeros(world, sum(numels), dtype=dtype)
+    offset = 0
+    for g, n in zip(grads, numels):
+        src = torch.zeros(world * n, dtype=dtype, device=g.device)
+        src.narrow(0, 0, g.numel()).copy_(g.reshape(-1))
+        out.narrow(1, offset, n).copy_(src.view(world, n))
+        offset += n
+    return out.view(-1)
+
+
+@torch.library.register_fake("graphshard::pack_grads")
+def _pack_grads_fake(grads, world, numels, dtype):
+    return grads[0].new_empty(world * sum(numels), dtype=dtype)
+
+
+@torch.library.impl(lib, "unpack_reduced", "CompositeExplicitAutograd")
+def _unpack_reduced(buf, numels, keep):
+    out, offset = [], 0
+    for n, k in zip(numels, keep):
+        out.append(buf.narrow(0, offset, k).clone())
+        offset += n
+    return out
+
+
+@torch.library.register_fake("graphshard::unpack_reduced")
+def _unpack_reduced_fake(buf, numels, keep):
+    return [buf.new_empty(k) for k in keep]
+
+
 def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
     """Casts to param_dtype and all-gathers a unit's shards in ONE collective."""
     first = infos[0]
     if first.shard is None:
         return [x.to(info.param_dtype) for x, info in zip(shards, infos)]
     axis = first.shard
-    flats = []
-    for x, info in zip(shards, infos):
-        flat = x.to(info.param_dtype).reshape(-1)
-        pad = info.chunk_rows * info.row_numel - flat.numel()
-        flats.append(F.pad(flat, (0, pad)) if pad else flat)
-    buf = flats[0] if len(flats) == 1 else torch.cat(flats)
-    gathered = _wait(c10d.all_gather_into_tensor(buf, axis.world, axis.group_name)).view(axis.world, -1)
-    outs, offset = [], 0
-    for info in infos:
-        n = info.chunk_rows * info.row_numel
-        piece = gathered if len(infos) == 1 else gathered[:, offset : offset + n]
-        offset += n
-        full = piece.reshape(axis.world * info.chunk_rows, *info.dp_full_shape[1:])
+    numels = [info.chunk_rows * info.row_numel for info in infos]
+    buf = ops.pack(list(shards), numels, first.param_dtype)
+    gathered = _wait(c10d.all_gather_into_tensor(buf, axis.world, axis.group_name))
+    flats = ops.unpack(gathered, axis.world, numels)
+    outs = []
+    for flat, info in zip(flats, infos):
+        full = flat.view(axis.world * info.chunk_rows, *info.dp_full_shape[1:])
         rows = info.dp_full_shape[0]
         outs.append(full if full.shape[0] == rows else full.narrow(0, 0, rows))
     return outs
@@ -113,38 +175,25 @@ def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo
     """Averages a unit's gradients over the data-parallel ranks in reduce_dtype:
     one reduce-scatter over the shard axis (FullyShard), one all-reduce per replicate axis."""
     first = infos[0]
-    pieces = []
-    for g, info in zip(grads, infos):
-        if g is None:
-            g = torch.zeros(info.dp_full_shape, dtype=info.reduce_dtype, device=info.mesh.device_type)
-        flat = g.to(info.reduce_dtype).reshape(-1)
-        if first.shard is not None:
-            pad = first.shard.world * info.chunk_rows * info.row_numel - flat.numel()
-            flat = (F.pad(flat, (0, pad)) if pad else flat).view(first.shard.world, -1)
-        pieces.append(flat)
+    grads = [
+        g if g is not None else torch.zeros(info.dp_full_shape, dtype=info.reduce_dtype, device=info.mesh.device_type)
+        for g, info in zip(grads, infos)
+    ]
     if first.shard is not None:
-        buf = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        red = _wait(c10d.reduce_scatter_tensor(buf.reshape(-1), "sum", first.shard.world, first.shard.group_name))
         world = first.shard.world
+        numels = [info.chunk_rows * info.row_numel for info in infos]
+        keep = [info.local_rows * info.row_numel for info in infos]
+        buf = ops.pack_grads(grads, world, numels, first.reduce_dtype)
+        red = _wait(c10d.reduce_scatter_tensor(buf, "avg", world, first.shard.group_name))
+        shapes = [(info.local_rows, *info.dp_full_shape[1:]) for info in infos]
     else:
-        red = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        world = 1
+        numels = keep = [math.prod(info.dp_full_shape) for info in infos]
+        red = ops.pack(grads, numels, first.reduce_dtype)
+        shapes = [info.dp_full_shape for info in infos]
     for axis in first.replicate:
-        red = _all_reduce_sum(red, axis.group_name)
-        world *= axis.world
-    red = red / world
-    outs, offset = [], 0
-    for info in infos:
-        if first.shard is not None:
-            n, keep = info.chunk_rows * info.row_numel, info.local_rows * info.row_numel
-            shape = (info.local_rows, *info.dp_full_shape[1:])
-        else:
-            n = keep = info.row_numel * (info.dp_full_shape[0] if info.dp_full_shape else 1)
-            shape = info.dp_full_shape
-        piece = red.narrow(0, offset, keep) if len(infos) > 1 or keep != n else red
-        offset += n
-        outs.append(piece.view(shape).to(info.dtype))
-    return outs
+        red = _wait(c10d.all_reduce(red, "avg", axis.group_name))
+    pieces = ops.unpack_reduced(red, numels, keep)
+    return [piece.view(shape).to(info.dtype) for piece, shape, info in zip(pieces, shapes, infos)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import operator
 import torch
 import torch.fx as fx
 
+import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
 from graphshard.explain import CollectiveRecord
 from graphshard.passes.pipeline import PassContext
@@ -108,10 +109,12 @@ _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten.
           torch.ops.aten.narrow.default, torch.ops.aten.split_with_sizes.default, torch.ops.aten.alias.default,
           torch.ops.aten.reshape.default, torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
           torch.ops.aten.select.int, torch.ops.aten.squeeze.dim, torch.ops.aten.as_strided.default,
-          torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default, operator.getitem}
+          torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default, operator.getitem,
+          torch.ops.graphshard.unpack.default, torch.ops.graphshard.unpack_reduced.default}
 
 
-_LAYOUT = _VIEWS | {torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default,
+_LAYOUT = _VIEWS | {torch.ops.graphshard.pack.default, torch.ops.graphshard.pack_grads.default,
+                    torch.ops.aten.cat.default, torch.ops.aten.constant_pad_nd.default,
                     torch.ops.aten.clone.default, torch.ops.aten.div.Tensor, torch.ops.aten.mul.Tensor}
 
 

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs what graphshard needs, idempotently: torch (>= 2.11; 2.13.0 CPU build here),
+# graphshard itself (editable) and the test tools. Safe to run on every invocation.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v < (2, 11))' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0" >&2
+  "$PY" -m pip install -q "torch==2.13.0"
+fi
+"$PY" -c 'import expecttest, pytest' 2>/dev/null || "$PY" -m pip install -q "expecttest>=0.2" "pytest>=8"
+if ! "$PY" -c 'import graphshard, graphshard.passes, importlib.metadata as m; assert any(e.name == "graphshard" for e in m.entry_points(group="torch_dynamo_backends"))' 2>/dev/null; then
+  echo "setup: installing graphshard (editable)" >&2
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
+fi
