@@ -31,11 +31,12 @@ class GraphReport:
             lines.append("  units:")
             for unit, fqns in self.units.items():
                 lines.append(f"    {unit or '<root>'}: {len(fqns)} parameters ({', '.join(fqns[:4])}{', ...' if len(fqns) > 4 else ''})")
+        titles = {"pre_autograd": "inserted", "forward": "forward graph", "backward": "backward graph"}
         for stage in ("pre_autograd", "forward", "backward"):
             recs = [c for c in self.collectives if c.stage == stage]
             if not recs:
                 continue
-            lines.append(f"  collectives ({stage}):")
+            lines.append(f"  collectives ({titles[stage]}):")
             for c in recs:
                 lines.append(f"    {c.kind:<15} axis={c.axis:<4} {_fmt_bytes(c.nbytes):>10}  for {c.cause}")
         for stage, order in self.order.items():

@@ -10,10 +10,12 @@ backward gets one reduce-scatter (or all-reduce) per unit as well.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch.fx as fx
 
+from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext
@@ -27,6 +29,21 @@ def unshard_units(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
             unit = lookup_param(node.args[1][0]).layout.unit
             units.setdefault(unit, []).append(node)
     return units
+
+
+def _record(ctx: PassContext, unit: str, infos) -> None:
+    """One explain record per unit and data-parallel axis: what its bucket moves."""
+    first = infos[0]
+    label = f"unit {unit or '<root>'} ({len(infos)} parameters)"
+    if first.shard is not None:
+        nbytes = sum(i.chunk_rows * i.row_numel for i in infos) * first.param_dtype.itemsize
+        ctx.report.collectives.append(CollectiveRecord("all_gather", first.shard.name, nbytes, label, "pre_autograd"))
+        grad_bytes = sum(i.chunk_rows * i.row_numel for i in infos) * first.shard.world * first.reduce_dtype.itemsize
+        ctx.report.collectives.append(CollectiveRecord("reduce_scatter", first.shard.name, grad_bytes, label + ", backward", "pre_autograd"))
+    for axis in first.replicate:
+        nbytes = sum(math.prod(i.dp_full_shape) for i in infos) * first.reduce_dtype.itemsize
+        nbytes //= first.shard.world if first.shard is not None else 1
+        ctx.report.collectives.append(CollectiveRecord("all_reduce", axis.name, nbytes, label + ", backward", "pre_autograd"))
 
 
 def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -44,7 +61,9 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 for user in list(un.users):
                     if user.target == operator.getitem and user.args[1] == i:
                         uses.append((user, keys.index(key)))
-        ctx.report.units[unit] = [lookup_param(k).fqn for k in keys]
+        infos = [lookup_param(k) for k in keys]
+        ctx.report.units[unit] = [info.fqn for info in infos]
+        _record(ctx, unit, infos)
         if len(nodes) == 1 and len(keys) == len(nodes[0].args[1]):
             continue
         with g.inserting_before(nodes[0]):

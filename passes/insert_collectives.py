@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -72,11 +71,6 @@ def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
             un.meta["placement"] = [marker.meta.get("placement")]
             new = g.call_function(operator.getitem, (un, 0))
             new.meta.update(marker.meta)
-            for axis in ([info.shard] if info.shard else []) + list(info.replicate):
-                kind = "all_gather" if axis is info.shard else "all_reduce(grad)"
-                nbytes = math.prod(info.dp_full_shape) * info.param_dtype.itemsize
-                nbytes = nbytes // axis.world if axis is info.shard else nbytes
-                ctx.report.collectives.append(CollectiveRecord(kind, axis.name, nbytes, info.fqn, "pre_autograd"))
     if marker.meta.get("placement") is not None:
         new.meta["placement"] = marker.meta["placement"]
     marker.replace_all_uses_with(new)
