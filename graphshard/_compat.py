@@ -39,6 +39,14 @@ def inductor_decompositions() -> dict:
     return dict(select_decomp_table())
 
 
+def inductor_partition_fn(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
+    """Inductor's partitioner: its joint-graph passes (pattern rewrites such as the fused
+    attention kernel), then the min-cut partition that honours recompute tags."""
+    from torch._inductor.compile_fx import partition_fn
+
+    return partition_fn(gm, joint_inputs, **kwargs)
+
+
 def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool) -> Callable:
     """Inductor's compiler for an already partitioned ATen forward or backward graph."""
     from torch._inductor.compile_fx import compile_fx_inner

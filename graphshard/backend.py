@@ -180,7 +180,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         fake_inputs,
         fw_compiler=stage_compiler("forward"),
         bw_compiler=stage_compiler("backward"),
-        partition_fn=_compat.min_cut_rematerialization_partition,
+        partition_fn=(_compat.inductor_partition_fn if ctx.config.lower == "inductor"
+                      else _compat.min_cut_rematerialization_partition),
         decompositions=decomps,
     )
 

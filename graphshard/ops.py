@@ -98,10 +98,12 @@ lib.define("unpack_reduced(Tensor buf, SymInt[] numels, SymInt[] keep) -> Tensor
 
 @torch.library.impl(lib, "pack", "CompositeExplicitAutograd")
 def _pack(xs, numels, dtype):
-    out = xs[0].new_zeros(sum(numels), dtype=dtype)
+    out = xs[0].new_empty(sum(numels), dtype=dtype)
     offset = 0
     for x, n in zip(xs, numels):
         out.narrow(0, offset, x.numel()).copy_(x.reshape(-1))
+        if n > x.numel():
+            out.narrow(0, offset + x.numel(), n - x.numel()).zero_()
         offset += n
     return out
 
@@ -113,8 +115,9 @@ def _pack_fake(xs, numels, dtype):
 
 @torch.library.impl(lib, "unpack", "CompositeExplicitAutograd")
 def _unpack(buf, world, numels):
-    rows = buf.view(world, -1)
-    return [p.contiguous().view(-1) for p in torch.split(rows, list(numels), dim=1)] if len(numels) > 1 else [buf.clone()]
+    if len(numels) == 1:
+        return [buf.clone()]
+    return [p.view(-1) for p in torch.split_with_sizes_copy(buf.view(world, -1), list(numels), dim=1)]
 
 
 @torch.library.register_fake("graphshard::unpack")
@@ -124,12 +127,20 @@ def _unpack_fake(buf, world, numels):
 
 @torch.library.impl(lib, "pack_grads", "CompositeExplicitAutograd")
 def _pack_grads(grads, world, numels, dtype):
-    out = grads[0].new_zeros(world, sum(numels), dtype=dtype)
+    """Rank-major layout: row r holds every gradient's r-th shard, each padded to its numel."""
+    out = grads[0].new_empty(world, sum(numels), dtype=dtype)
     offset = 0
     for g, n in zip(grads, numels):
-        src = torch.zeros(world * n, dtype=dtype, device=g.device)
-        src.narrow(0, 0, g.numel()).copy_(g.reshape(-1))
-        out.narrow(1, offset, n).copy_(src.view(world, n))
+        flat, dst = g.reshape(-1), out.narrow(1, offset, n)
+        full = flat.numel() // n
+        if full:
+            dst.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * n).view(full, n))
+        if full < world:
+            tail = flat.numel() - full * n
+            dst[full].narrow(0, 0, tail).copy_(flat.narrow(0, full * n, tail))
+            dst[full].narrow(0, tail, n - tail).zero_()
+            if full + 1 < world:
+                dst.narrow(0, full + 1, world - full - 1).zero_()
         offset += n
     return out.view(-1)
 
