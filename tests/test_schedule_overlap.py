@@ -149,3 +149,22 @@ class GraphModule(torch.nn.Module):
         report = model._graphshard.explain[0]
         self.assertExpectedInline(" -> ".join(report.order["forward"]), """all_gather(layers.0) -> wait(layers.0) -> all_gather(layers.1) -> compute -> wait(layers.1) -> all_gather(layers.2) -> compute -> wait(layers.2) -> compute""")
         self.assertExpectedInline(" -> ".join(report.order["backward"]), """all_gather(layers.2) -> compute -> reduce_scatter(layers.2) -> wait(layers.2) -> all_gather(layers.1) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.2) -> wait(layers.1) -> wait(layers.0)""")
+
+
+class TestInductorKeepsTheOrder(TestCase):
+    def test_lowered_code_issues_collectives_in_the_scheduled_order(self):
+        # One Inductor compile: the generated `call` must issue the all-gathers, waits and
+        # reduce-scatters in the order schedule_overlap chose, with compute inside the overlap windows.
+        model = stack()
+        graphshard.compile(model, fsdp_plan(), lower="inductor")
+        model(torch.randn(4, 8)).sum().backward()
+        report = model._graphshard.explain[0]
+
+        def collectives(events):
+            return [e.split("(")[0] for e in events if not e.startswith("compute")]
+
+        for stage in ("forward", "backward"):
+            self.assertEqual(collectives(report.order[stage]), collectives(report.lowered_order[stage]), stage)
+        fw = report.lowered_order["forward"]
+        # the next unit's all-gather is in flight while this unit computes
+        self.assertEqual(fw[:5], ["all_gather", "wait", "all_gather", "compute", "wait"])
