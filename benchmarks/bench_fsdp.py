@@ -167,14 +167,31 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
             attempts.append(res)
             if res["status"] != "ok" or (res["other_cpu_pct"] or 0) <= args.max_other_cpu:
                 break
-        best = min(attempts, key=lambda r: (r["status"] != "ok", r.get("other_cpu_pct") or 0))
-        best["attempts_other_cpu_pct"] = [r.get("other_cpu_pct") for r in attempts]
+        best = _least_contended(attempts)
         if best["status"] == "unavailable":
             unavailable[base] = best.get("reason", "")
         records.append(best)
         outer.update()
     outer.close()
+    # Make-up pass: runs still contended after their retries get one more try at the end.
+    for i, rec in enumerate(records):
+        if args.retries and _contended(rec, args):
+            again = run_one(args, rec["variant"], rec["layers"], rec["rep"], nproc, env,
+                            len(rec["attempts_other_cpu_pct"]))
+            print(again.pop("_msg"), flush=True)
+            records[i] = _least_contended([rec, again], rec["attempts_other_cpu_pct"])
     return records
+
+
+def _contended(rec: dict, args) -> bool:
+    return rec.get("status") == "ok" and (rec.get("other_cpu_pct") or 0) > args.max_other_cpu
+
+
+def _least_contended(attempts: list[dict], earlier: list | None = None) -> dict:
+    """The successful attempt with the least foreign CPU load; records every attempt's load."""
+    best = min(attempts, key=lambda r: (r["status"] != "ok", r.get("other_cpu_pct") or 0))
+    loads = (earlier or []) + [r.get("other_cpu_pct") for r in attempts[1 if earlier else 0:]]
+    return {**best, "attempts_other_cpu_pct": loads}
 
 
 # --------------------------------------------------------------------------- summaries

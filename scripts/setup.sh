@@ -9,7 +9,15 @@ if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.sp
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -c 'import expecttest, pytest' 2>/dev/null || "$PY" -m pip install -q "expecttest>=0.2" "pytest>=8"
-if ! "$PY" -c 'import graphshard, graphshard.passes, importlib.metadata as m; assert any(e.name == "graphshard" for e in m.entry_points(group="torch_dynamo_backends"))' 2>/dev/null; then
+# (Re)install unless graphshard is already importable from THIS checkout with its backend entry point.
+if ! "$PY" - "$PWD" <<'CHECK' 2>/dev/null; then
+import os, sys, importlib.metadata as m
+import graphshard, graphshard.passes
+here = os.path.realpath(sys.argv[1])
+assert os.path.realpath(os.path.dirname(graphshard.__file__)) == os.path.join(here, "graphshard")
+assert os.path.realpath(os.path.dirname(graphshard.passes.__file__)) == os.path.join(here, "passes")
+assert any(e.name == "graphshard" for e in m.entry_points(group="torch_dynamo_backends"))
+CHECK
   echo "setup: installing graphshard (editable)" >&2
   "$PY" -m pip install -q --no-deps --no-build-isolation -e . 2>/dev/null || "$PY" -m pip install -q --no-deps -e .
 fi
