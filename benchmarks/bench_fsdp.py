@@ -262,7 +262,7 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
     peers.append(("fsdp1", "fsdp1"))
     rows, out = [], {}
     for peer, tname in peers:
-        if peer == subject:
+        if peer == subject or not any(r["variant"] == peer and r["layers"] == layers for r in records):
             continue
         cells = [ratio_cell(records, subject, peer, layers, reps, k, tname)
                  for k in ("step_s", "ttfs_s", "peak_live_mib", "rss_mib")]
@@ -321,6 +321,20 @@ def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
     return text, name, extra
 
 
+def git_revision() -> str:
+    """HEAD of the checkout being measured, '+dirty' when graphshard/ or passes/ have local changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphshard", "passes", "kernels"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
@@ -334,6 +348,7 @@ def main(argv=None) -> int:
         records, hw = saved["runs"], saved["hardware"]
     else:
         nproc, env, hw = device_setup(args)
+        hw += f"; graphshard @ {git_revision()}"
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"# FSDP benchmark: {hw}")
         records = run_all(args, nproc, env)
