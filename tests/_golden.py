@@ -70,9 +70,9 @@ def compiled_stages(model, plan, inputs, *, loss_fn=lambda out: out.sum(), **com
 def _strip_dump(text: str, plan) -> str:
     import re
 
-    lines = [l for l in text.splitlines() if l.strip() and not l.strip().startswith("# File:")
-             and not l.startswith("# op-count diff")]
-    text = "\n".join(lines)
+    from graphshard.passes._graph import _drop_noise
+
+    text = _drop_noise("\n".join(l for l in text.splitlines() if not l.startswith("# op-count diff")))
     text = re.sub(r"'m\d+/", "'", text)
     for axis in plan.mesh.mesh_dim_names:
         text = text.replace(f"'{plan.mesh.get_group(axis).group_name}'", f"'{axis}'")

@@ -13,7 +13,6 @@ class TestAnnotatePlacements(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 8]", arg4_1: "f32[8]"):
-        # No stacktrace found for following nodes
         param: "f32[32, 16]" = torch.ops.graphshard.param.default(arg0_1, 'fc1.weight', [32, 16]);  arg0_1 = None
         param_1: "f32[32]" = torch.ops.graphshard.param.default(arg1_1, 'fc1.bias', [32]);  arg1_1 = None
         t: "f32[16, 32]" = torch.ops.aten.t.default(param);  param = None
@@ -46,7 +45,6 @@ addmm_1: {tp: P}
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[16, 4]"):
-        # No stacktrace found for following nodes
         param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
         view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])

@@ -15,7 +15,6 @@ class TestBucketCollectives(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "i64[2, 8]", arg1_1: "f32[8, 16]", arg2_1: "f32[2, 16]", arg3_1: "f32[4]", arg4_1: "f32[4]", arg5_1: "f32[4, 16]", arg6_1: "f32[4, 16]", arg7_1: "f32[4, 16]", arg8_1: "f32[4, 16]", arg9_1: "f32[4]", arg10_1: "f32[4]", arg11_1: "f32[16, 16]", arg12_1: "f32[16]", arg13_1: "f32[4, 64]", arg14_1: "f32[4]", arg15_1: "f32[4]", arg16_1: "f32[4]"):
-        # No stacktrace found for following nodes
         arange: "i64[8]" = torch.ops.aten.arange.default(8, device = device(type='cpu'), pin_memory = False)
         unshard_default_17 = torch.ops.graphshard.unshard.default([arg1_1, arg2_1, arg15_1, arg16_1], ['tok_embeddings.weight', 'pos_embeddings.weight', 'norm.weight', 'norm.bias']);  arg1_1 = arg2_1 = arg15_1 = arg16_1 = None
         getitem_29: "f32[16]" = unshard_default_17[3]

@@ -14,7 +14,6 @@ class TestInsertCollectives(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 8]", arg4_1: "f32[8]"):
-        # No stacktrace found for following nodes
         to_partial_default: "f32[8]" = torch.ops.graphshard.to_partial.default(arg4_1, 0);  arg4_1 = None
         t: "f32[16, 32]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
         addmm: "f32[4, 32]" = torch.ops.aten.addmm.default(arg1_1, arg2_1, t);  arg1_1 = arg2_1 = t = None
@@ -32,7 +31,6 @@ class <lambda>(torch.nn.Module):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[2, 32]", arg4_1: "f32[2]"):
-        # No stacktrace found for following nodes
         unshard_default = torch.ops.graphshard.unshard.default([arg0_1], ['fc1.weight']);  arg0_1 = None
         getitem: "f32[32, 16]" = unshard_default[0];  unshard_default = None
         unshard_default_1 = torch.ops.graphshard.unshard.default([arg1_1], ['fc1.bias']);  arg1_1 = None
@@ -73,7 +71,6 @@ class <lambda>(torch.nn.Module):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[16, 16]", arg1_1: "f32[16]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 16]", arg4_1: "f32[8]", arg5_1: "f32[8, 8]", arg6_1: "f32[8]"):
-        # No stacktrace found for following nodes
         to_partial_default: "f32[8]" = torch.ops.graphshard.to_partial.default(arg6_1, 0);  arg6_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(arg0_1);  arg0_1 = None
         addmm: "f32[4, 16]" = torch.ops.aten.addmm.default(arg1_1, arg2_1, t);  arg1_1 = arg2_1 = t = None

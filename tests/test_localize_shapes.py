@@ -16,7 +16,6 @@ class TestLocalizeShapes(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[16, 4]"):
-        # No stacktrace found for following nodes
         t: "f32[16, 4]" = torch.ops.aten.t.default(arg1_1);  arg1_1 = None
         view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
         mm: "f32[16, 4]" = torch.ops.aten.mm.default(view, t);  view = t = None
