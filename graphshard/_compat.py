@@ -23,7 +23,6 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E4
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
-from torch.utils.checkpoint import CheckpointPolicy  # noqa: E402,F401  (public)
 
 
 def fake_mode_of(example_inputs) -> FakeTensorMode:

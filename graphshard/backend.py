@@ -143,7 +143,7 @@ def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> Pas
         for axis in [info.shard, *info.replicate, *(a for a, _ in info.model_parallel)]:
             if axis is not None:
                 group_axes[axis.name] = axis.group_name
-    return PassContext(config=config, infos={}, model_parallel=model_parallel, report=report,
+    return PassContext(config=config, model_parallel=model_parallel, report=report,
                        fake_mode=fake_mode, group_axes=group_axes)
 
 

@@ -66,10 +66,6 @@ class ParamInfo:
         return chunk_size(self.dp_full_shape[0], self.shard.world, self.shard.rank)
 
     @property
-    def unit_spec(self):
-        return self.layout.unit_spec
-
-    @property
     def param_dtype(self) -> torch.dtype:
         spec = self.layout.unit_spec
         return (spec.param_dtype if spec is not None else None) or self.dtype

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport
-from graphshard.params import AxisGroup, ParamInfo
+from graphshard.params import AxisGroup
 
 log = logging.getLogger("graphshard.passes")
 
@@ -25,7 +25,6 @@ class PassContext:
     """What every pass may read; passes record what they did in ``report``."""
 
     config: CompileConfig
-    infos: dict[str, ParamInfo]             # parameter key -> facts
     model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
     report: GraphReport
     group_axes: dict[str, str] = field(default_factory=dict)  # mesh axis name -> c10d group name
@@ -36,7 +35,7 @@ class PassContext:
     dump_counter: collections.Counter = field(default_factory=collections.Counter)
 
 
-def _pre_autograd_passes() -> list[Pass]:
+def pre_autograd_passes() -> list[Pass]:
     from graphshard.passes.annotate_placements import annotate_placements
     from graphshard.passes.bucket_collectives import bucket_collectives
     from graphshard.passes.insert_collectives import insert_collectives
@@ -52,20 +51,12 @@ def _pre_autograd_passes() -> list[Pass]:
     ]
 
 
-def _post_partition_passes() -> list[Pass]:
+def post_partition_passes() -> list[Pass]:
     from graphshard.passes.schedule_overlap import schedule_overlap
 
     return [
         schedule_overlap,     # on the partitioned graphs, where all-gathers and reduce-scatters are explicit
     ]
-
-
-def pre_autograd_passes() -> list[Pass]:
-    return _pre_autograd_passes()
-
-
-def post_partition_passes() -> list[Pass]:
-    return _post_partition_passes()
 
 
 def op_counts(gm: fx.GraphModule) -> collections.Counter:
