@@ -11,6 +11,8 @@ aot_autograd see true per-rank shapes.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
@@ -39,10 +41,9 @@ def localize_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             i = _SIZE_ARG[node.target]
             sizes = list(node.args[i])
             for axis_name, p in pl.items():
-                if isinstance(p, (Shard, StridedShard)) and isinstance(sizes[p.dim], int) and sizes[p.dim] != -1:
+                if isinstance(p, (Shard, StridedShard)) and not (isinstance(sizes[p.dim], int) and sizes[p.dim] == -1):
                     axis = ctx.model_parallel[axis_name]
-                    outer = getattr(p, "split_factor", 1)
-                    sizes[p.dim] = outer * chunk_size(sizes[p.dim] // outer, axis.world, axis.rank)
+                    sizes[p.dim] = _local_size(gm.graph, node, sizes[p.dim], p, axis)
             args = list(node.args)
             args[i] = sizes
             node.args = tuple(args)
@@ -51,6 +52,32 @@ def localize_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _rederive(node, ctx)
         _check_local(node, ctx)
     return gm
+
+
+def _local_size(g: fx.Graph, node: fx.Node, size, p, axis):
+    """The per-rank size of a sharded dim; the sharded factor must be static (a symbolic batch
+    merged in front of it, as in ``view(b * n_heads, ...)``, is fine). ``size`` is an int or,
+    for a symbolic size, the graph node computing it."""
+    outer = getattr(p, "split_factor", 1)
+    value = size.meta["val"] if isinstance(size, fx.Node) else size
+    try:
+        inner = int(value // outer)
+    except Exception:  # a data-dependent or symbolic sharded size
+        raise NotImplementedError(
+            f"node {node.name!r} ({node.target}) shards dim {p.dim} whose size {size} is dynamic; "
+            "graphshard shards only static sizes: mark that dim static (torch._dynamo.mark_static) "
+            "or compile with dynamic=False"
+        ) from None
+    local_inner = chunk_size(inner, axis.world, axis.rank)
+    if isinstance(outer, int):
+        return outer * local_inner
+    # symbolic outer factor: (size // inner) * local_inner, as graph nodes
+    with g.inserting_before(node):
+        q = g.call_function(operator.floordiv, (size, inner))
+        q.meta["val"] = value // inner
+        local = g.call_function(operator.mul, (q, local_inner))
+        local.meta["val"] = q.meta["val"] * local_inner
+    return local
 
 
 def _rederive(node: fx.Node, ctx: PassContext) -> None:
@@ -68,7 +95,7 @@ def _check_local(node: fx.Node, ctx: PassContext) -> None:
     if not isinstance(pl, dict) or not isinstance(out, torch.Tensor):
         return
     for axis_name, p in pl.items():
-        if isinstance(p, Shard) and out.dim() > p.dim:
+        if isinstance(p, Shard) and out.dim() > p.dim and isinstance(out.shape[p.dim], int):
             axis = ctx.model_parallel[axis_name]
             # The local size must be some rank's chunk: a logical size divided by world size, rounded up or down.
             assert out.shape[p.dim] <= -(-node_logical_size(node, p.dim) // axis.world), (

@@ -65,3 +65,19 @@ class <lambda>(torch.nn.Module):
         all_reduce_default: "f32[2, 8, 16]" = torch.ops.graphshard.all_reduce.default(_unsafe_view_9, 'tp', 4);  _unsafe_view_9 = None
         return (all_reduce_default,)
 """)
+
+
+def test_dynamic_batch_with_hard_coded_heads():
+    # A new batch size makes dynamo recompile with a symbolic batch; the merged b * n_heads
+    # dim of the attention's bmm view is localized symbolically ((b*4 // 4) * 1 per rank).
+    import graphshard
+
+    model = attention()
+    graphshard.compile(model, tp_attention_plan(), lower="eager")
+    for b, s in [(2, 8), (3, 8), (5, 6)]:
+        out = model(torch.randn(b, s, 16))
+        out.sum().backward()
+        assert out.shape == (b, s, 16)
+    reports = model._graphshard.explain
+    assert len(reports) >= 2 and all(not r.fallbacks for r in reports)
+    assert all(sum(c.kind == "all_reduce" for c in r.collectives if c.stage == "pre_autograd") == 1 for r in reports)

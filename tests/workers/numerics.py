@@ -1,6 +1,8 @@
 """Multi-rank numerics worker: ``torchrun --nproc-per-node N tests/workers/numerics.py CASE [CASE ...]``.
 
-Each CASE is ``model:strategy:lower`` (e.g. ``transformer:full_shard:inductor``).
+Each CASE is ``model:strategy:lower[:dynamic]`` (e.g. ``transformer:full_shard:inductor``);
+``dynamic`` varies the per-rank batch size from step to step (2, 1, 3, ...), which makes
+dynamo recompile with a symbolic batch dim.
 ``lower`` is ``inductor`` or ``eager`` (graphshard.compile), ``backend`` (graphshard.shard,
 then ``torch.compile(model, backend="graphshard")`` by name) or ``uncompiled``
 (graphshard.shard only: the eager debugging path).
@@ -68,7 +70,8 @@ def plan_for(strategy: str, world: int):
 
 
 def run_case(case: str) -> dict:
-    model_name, strategy, lower = case.split(":")
+    model_name, strategy, lower, *flags = case.split(":")
+    dynamic = "dynamic" in flags
     from graphshard._compat import dynamo_counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,10 +92,10 @@ def run_case(case: str) -> dict:
             model = torch.compile(model, backend="graphshard")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    per_rank = 2
     dp_rank = rank if dp_world > 1 else 0
     loss_err = 0.0
     for step in range(STEPS):
+        per_rank = (2, 1, 3)[step % 3] if dynamic else 2
         x, y = batch(model_name, step, per_rank * dp_world)
         sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
         loss = loss_fn(model_name, model(x[sl]), y[sl])
