@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.params import lookup as lookup_param
-from graphshard.passes._graph import R, fmt_placement, is_tensor_node, tensor_args
+from graphshard.passes._graph import R, fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
 from graphshard.passes.pipeline import PassContext
 

@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 import torch.fx as fx
 
 from graphshard.config import CompileConfig

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from torch.distributed.tensor import Shard
 
 import graphshard

@@ -40,7 +40,6 @@ def test_shared_module_is_sharded_once():
 
 
 def test_uneven_rows_follow_torch_chunk():
-    model = mlp()  # fc2.weight has 8 rows -> 2 per rank; fc1.bias 32 -> 8; fc1 is even too
     plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()})
     odd = torch.nn.Linear(16, 7)
     graphshard.shard(odd, plan)  # 7 rows over 4 ranks: 2, 2, 2, 1

@@ -3,7 +3,6 @@ from expecttest import TestCase
 
 from _golden import compiled_stages, graph_after
 from _models import fsdp_plan, stack
-from graphshard.passes._graph import aten
 
 
 def _tags(text_model, plan):
