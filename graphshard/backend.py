@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import logging
 import os
 import re
 import time
@@ -31,13 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
 from graphshard.config import CompileConfig
-from graphshard.explain import GraphReport
+from graphshard.explain import GraphReport, add_compute
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
 from graphshard.storage import state_for_key
 
-log = logging.getLogger("graphshard")
 _graph_ids = itertools.count()
 
 
@@ -151,25 +149,17 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     def stage_compiler(stage: str):
         def compile_graph(g: fx.GraphModule, inputs):
             start = time.perf_counter()
-            try:
-                return _compile_stage(g, inputs, stage)
-            finally:
-                ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
-
-        def _compile_stage(g: fx.GraphModule, inputs, stage):
             ctx.stage = stage
             g = run_passes(g, ctx, post_partition_passes())
             if ctx.config.lower == "eager":
-                return _compat.boxed_nop(g, inputs)
-            with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.stagger_compile):
-                compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
-            source = getattr(compiled, "source_code", None)
-            if source:
-                ctx.report.lowered_order[stage] = lowered_collective_order(source)
-                if ctx.config.dump_graphs:
-                    with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_inductor.py"), "w") as f:
-                        f.write(source)
+                compiled = _compat.boxed_nop(g, inputs)
+            else:
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.stagger_compile):
+                    compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
+                _record_lowered(compiled, stage, ctx)
+            ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
             return compiled
+
         return compile_graph
 
     decomps = dict(decompositions())
@@ -184,6 +174,17 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                       else _compat.min_cut_rematerialization_partition),
         decompositions=decomps,
     )
+
+
+def _record_lowered(compiled, stage: str, ctx: PassContext) -> None:
+    """Puts the collective order of Inductor's generated code in the report (and the code in dumps)."""
+    source = getattr(compiled, "source_code", None)
+    if not source:
+        return
+    ctx.report.lowered_order[stage] = lowered_collective_order(source)
+    if ctx.config.dump_graphs:
+        with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_inductor.py"), "w") as f:
+            f.write(source)
 
 
 @contextlib.contextmanager
@@ -217,11 +218,7 @@ def lowered_collective_order(source: str) -> list[str]:
             op = m.group(1)
             events.append("wait" if op == "wait_tensor" else op.replace("_into_tensor", "").replace("_tensor", ""))
         elif _LOWERED_COMPUTE.match(line):
-            if events and events[-1].startswith("compute"):
-                n = int(events[-1][len("compute x"):] or 1) if events[-1] != "compute" else 1
-                events[-1] = f"compute x{n + 1}"
-            else:
-                events.append("compute")
+            add_compute(events)
     return events
 
 

@@ -51,6 +51,15 @@ class GraphReport:
         return "\n".join(lines)
 
 
+def add_compute(events: list[str]) -> None:
+    """Appends one compute event to an order listing, folding runs: compute, compute x2, ..."""
+    if events and events[-1].startswith("compute"):
+        count = 1 if events[-1] == "compute" else int(events[-1][len("compute x"):])
+        events[-1] = f"compute x{count + 1}"
+    else:
+        events.append("compute")
+
+
 def _fmt_bytes(n) -> str:
     n = int(n)
     for unit in ("B", "KiB", "MiB", "GiB"):

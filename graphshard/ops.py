@@ -382,8 +382,3 @@ def decompositions() -> dict:
         ops.to_partial.default: _to_partial_decomp,
     }
 
-
-COLLECTIVE_OPS = frozenset(
-    [ops.unshard.default, ops.all_reduce.default, ops.all_gather.default,
-     ops.reduce_scatter.default, ops.shard.default, ops.grad_all_reduce.default, ops.to_partial.default]
-)

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
-from graphshard.explain import CollectiveRecord
+from graphshard.explain import CollectiveRecord, add_compute
 from graphshard.passes.pipeline import PassContext
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
@@ -217,11 +217,7 @@ def _record(gm: fx.GraphModule, ctx: PassContext, gathers: list[fx.Node]) -> Non
             src = n.args[0]
             events.append(f"wait({names.get(src, src.name)})")
         elif n.op == "call_function" and n.target in _MATMULS:
-            if events and events[-1].startswith("compute"):
-                count = 1 if events[-1] == "compute" else int(events[-1][len("compute x"):])
-                events[-1] = f"compute x{count + 1}"
-            else:
-                events.append("compute")
+            add_compute(events)
     ctx.report.order[ctx.stage] = events
 
 
