@@ -24,12 +24,17 @@ class TransformerConfig:
     n_heads: int = 4
     max_seq_len: int = 128
     ffn_mult: int = 4
+    tie_embeddings: bool = True
+    """``output.weight`` is ``tok_embeddings.weight``."""
+    infer_heads: bool = False
+    """Reshape heads with ``-1`` (``view(b, s, -1, head_dim)``), as torch's eager tensor
+    parallelism requires, instead of the hard-coded ``n_heads``."""
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
+        self.n_heads = -1 if cfg.infer_heads else cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -45,7 +50,7 @@ class Attention(nn.Module):
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
         mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
         attn = F.softmax(scores + mask, dim=-1)
-        out = (attn @ v).transpose(1, 2).reshape(bsz, seqlen, self.n_heads * self.head_dim)
+        out = (attn @ v).transpose(1, 2).reshape(bsz, seqlen, -1 if self.n_heads == -1 else self.n_heads * self.head_dim)
         return self.wo(out)
 
 
@@ -74,7 +79,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only transformer; ``output.weight`` is tied to ``tok_embeddings.weight``."""
+    """Decoder-only transformer; by default ``output.weight`` is tied to ``tok_embeddings.weight``."""
 
     def __init__(self, cfg: TransformerConfig = TransformerConfig()):
         super().__init__()
@@ -84,7 +89,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.LayerNorm(cfg.dim)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.output.weight = self.tok_embeddings.weight
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         nn.init.normal_(self.pos_embeddings.weight, std=0.02)
 
