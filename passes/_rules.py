@@ -2,8 +2,15 @@
 
 A rule gets the node and the current placement of each tensor input (in
 ``tensor_args`` order) and returns ``(required_input_placements, output)``.
-``output`` is a Placement, or a list of them for ops with several tensor outputs.
-Ops without a rule replicate their inputs (a logged fallback).
+``output`` is a Placement, or a list of them (one per output) for ops with
+several outputs. Ops without a rule replicate their inputs (a logged fallback).
+Shapes are logical (single-device) when rules run. A rule is exact for the
+math or it requires Replicate; among exact strategies it picks the cheapest
+given the current placements (``_choose``).
+
+Sections: helpers; pointwise; matmul family; reductions; norms and softmax;
+attention; others. The view family (views, permutations, split/cat/stack,
+slice/select/index, complex views) lives in ``_view_rules.py``.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ def rule(*ops):
     return deco
 
 
+# ---------------------------------------------------------------- helpers
 def _ndim(node) -> int:
     return val(node).dim()
 
@@ -53,29 +61,88 @@ def _shape(node):
     return tuple(val(node).shape)
 
 
+def _is_shard(p) -> bool:
+    return isinstance(p, (Shard, StridedShard))
+
+
+def _moved(p, dim: int):
+    """``p`` (a Shard or StridedShard) on dim ``dim`` instead."""
+    return StridedShard(dim, p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
+
+
+def _is_sum(p) -> bool:
+    return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+def _arg(node: fx.Node, name: str, default=None):
+    """The value of argument ``name`` of an OpOverload call, positional or keyword."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for i, a in enumerate(node.target._schema.arguments):
+        if a.name == name:
+            if a.kwarg_only:
+                return default
+            return node.args[i] if i < len(node.args) else default
+    raise KeyError(f"{node.target} has no argument {name!r}")
+
+
+def _broadcast_req(arg, out_dim: int, out_shape) -> Placement:
+    """What a broadcasting input must be when the output is sharded on ``out_dim``:
+    sharded on its matching dim if it has that dim at full size, else replicated."""
+    d = out_dim - (len(out_shape) - _ndim(arg))
+    if d >= 0 and _shape(arg)[d] == out_shape[out_dim] and out_shape[out_dim] > 1:
+        return Shard(d)
+    return R
+
+
+def _no_grad(node) -> bool:
+    """No gradient can flow through ``node``'s value: it is detached or not floating point."""
+    v = val(node)
+    return (isinstance(node, fx.Node) and node.target == aten.detach.default) or not (
+        v.is_floating_point() or v.is_complex())
+
+
+# Partial reduce ops besides "sum" that insert_collectives resolves (Partial -> Replicate) with a
+# forward-only collective (graphshard::all_reduce_max has no autograd formula): a rule yields
+# them only for values no gradient flows through (``_no_grad``); otherwise it replicates first.
+FORWARD_ONLY_PARTIALS = frozenset({"max"})
+
+
 # ---------------------------------------------------------------- pointwise (broadcasting)
 _LINEAR_BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.add_.Tensor, aten.sub_.Tensor}
 _LINEAR_SCALE = {aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.div.Scalar, aten.neg.default,
-                 aten.mul_.Tensor, aten.div_.Tensor}
+                 aten.mul_.Tensor, aten.div_.Tensor, aten.mul_.Scalar, aten.div_.Scalar}
+_DIVIDES = {aten.div.Tensor, aten.div_.Tensor}
 
 
+@rule(aten.masked_fill.Tensor, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def pointwise(node: fx.Node, ins: list[Placement]):
-    args = [a for _, a in tensor_args(node)]
+    """Elementwise with broadcasting (aligned from the right); also complex ``mul``.
+
+    Partial: a sum of Partial("sum") values (add/sub) is Partial, and so is one
+    Partial("sum") scaled by replicated scalars (mul; div only as the numerator).
+    Every other Partial (other ops, other reduce ops) is replicated first.
+    Shard: the first sharded input decides the output dim; the other inputs must
+    be sharded on their matching dim, or replicated where they broadcast.
+    """
+    pos_args = list(tensor_args(node))
+    args = [a for _, a in pos_args]
     out_shape = _shape(node)
     out_nd = len(out_shape)
     partial = [isinstance(p, Partial) for p in ins]
     if any(partial):
-        if node.target in _LINEAR_BINARY and all(partial):
+        sums = all(_is_sum(p) for p, is_p in zip(ins, partial) if is_p)
+        if sums and node.target in _LINEAR_BINARY and all(partial):
             return ins, P
-        if node.target in _LINEAR_SCALE and sum(partial) == 1 and all(
-            isinstance(p, Partial) or _shape(a) == () for p, a in zip(ins, args)
-        ):
+        if sums and node.target in _LINEAR_SCALE and sum(partial) == 1 and all(
+            is_p or (isinstance(p, Replicate) and _shape(a) == ()) for p, is_p, a in zip(ins, partial, args)
+        ) and (node.target not in _DIVIDES or pos_args[partial.index(True)][0] == 0):
             return ins, P
         ins = [R if isinstance(p, Partial) else p for p in ins]
     # Shard: the first sharded input decides the output dim (aligned from the right).
     out_dim, strided = None, None
     for p, a in zip(ins, args):
-        if isinstance(p, (Shard, StridedShard)):
+        if _is_shard(p):
             d = p.dim + out_nd - _ndim(a)
             if _shape(a)[p.dim] == out_shape[d]:
                 out_dim, strided = d, (p.split_factor if isinstance(p, StridedShard) else None)
@@ -84,18 +151,60 @@ def pointwise(node: fx.Node, ins: list[Placement]):
         return [R] * len(ins), R
     req = []
     for a in args:
-        d = out_dim - (out_nd - _ndim(a))
-        if d >= 0 and _shape(a)[d] == out_shape[out_dim] and out_shape[out_dim] > 1:
-            req.append(Shard(d) if strided is None else StridedShard(d, strided))
-        else:
-            req.append(R)
+        r = _broadcast_req(a, out_dim, out_shape)
+        req.append(r if strided is None or r == R else StridedShard(r.dim, strided))
     return req, (Shard(out_dim) if strided is None else StridedShard(out_dim, strided))
+
+
+_IDENTITY = {aten.clone.default, aten.detach.default, aten.alias.default, aten.contiguous.default,
+             aten.lift_fresh_copy.default}
+
+
+@rule(*_IDENTITY)
+def identity(node, ins):
+    """Value-preserving copies: every placement (any Partial too) passes through."""
+    return ins, ins[0]
+
+
+@rule(aten._to_copy.default)
+def to_copy(node, ins):
+    """A dtype/device copy. Partial("sum") stays Partial only when the cast is exact per
+    element (same dtype, or a floating-point widening); a narrowing or integer cast of a
+    partial sum is not the cast of the sum."""
+    p = ins[0]
+    if isinstance(p, Partial):
+        src, dst = val(node.args[0]).dtype, val(node).dtype
+        exact = src == dst or (src.is_floating_point and dst.is_floating_point and dst.itemsize > src.itemsize)
+        return (ins, p) if exact and _is_sum(p) else ([R], R)
+    return ins, p
+
+
+@rule(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+      aten.rand_like.default, aten.randn_like.default, aten.bernoulli_.float)
+def shape_only(node, ins):
+    """Ops whose output values ignore the input's values (factories ``*_like``, the in-place
+    ``bernoulli_(p: float)`` of SDPA's dropout): a sharded input gives a sharded output of the local shape, a
+    Partial or replicated one a replicated output. Random fills draw independently per rank."""
+    p = ins[0]
+    return ins, p if _is_shard(p) else R
+
+
+@rule(aten.tril.default, aten.triu.default)
+def tril(node, ins):
+    """Masks the last two dims by position: a shard there would shift the diagonal (replicate);
+    batch dims pass. Any Partial passes: masked entries are 0 on every rank."""
+    p = ins[0]
+    if _is_shard(p) and p.dim >= _ndim(node.args[0]) - 2:
+        return [R], R
+    return ins, p
 
 
 # ---------------------------------------------------------------- matmul family
 def _cost(cur: Placement, want: Placement) -> int:
     if cur == want:
         return 0
+    if isinstance(cur, Partial) and not _is_sum(cur) and not isinstance(want, Replicate):
+        return 100  # no redistribution exists
     if isinstance(cur, Replicate) and isinstance(want, Shard):
         return 1  # a local slice
     if isinstance(cur, Partial):
@@ -105,6 +214,14 @@ def _cost(cur: Placement, want: Placement) -> int:
 
 def _choose(ins: list[Placement], strategies):
     return min(strategies, key=lambda s: sum(_cost(c, w) for c, w in zip(ins, s[0])))
+
+
+def _strided_batch(ins, strategies, n: int):
+    """Heads sharded inside the batch dim of a batched matmul: independent batches."""
+    for p in ins:
+        if isinstance(p, StridedShard) and p.dim == 0:
+            strategies.insert(0, ((p,) * n, p))
+    return strategies
 
 
 @rule(aten.mm.default)
@@ -124,126 +241,142 @@ def addmm(node, ins):
 
 @rule(aten.bmm.default)
 def bmm(node, ins):
-    strategies = [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
-                  ((R, Shard(2)), Shard(2)), ((Shard(2), Shard(1)), P)]
-    for p in ins:
+    return _choose(ins, _strided_batch(ins, [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
+                                             ((R, Shard(2)), Shard(2)), ((Shard(2), Shard(1)), P)], 2))
+
+
+@rule(aten.baddbmm.default)
+def baddbmm(node, ins):
+    """``beta * input + alpha * (batch1 @ batch2)``: bmm's strategies, the broadcasting ``input``
+    sharded like the output (replicated where it broadcasts), or Partial with a contraction shard."""
+    out = _shape(node)
+    inp = [_broadcast_req(node.args[0], d, out) for d in range(3)]
+    strategies = [((R, R, R), R), ((inp[0], Shard(0), Shard(0)), Shard(0)), ((inp[1], Shard(1), R), Shard(1)),
+                  ((inp[2], R, Shard(2)), Shard(2)), ((P, Shard(2), Shard(1)), P)]
+    for p in ins[1:]:
         if isinstance(p, StridedShard) and p.dim == 0:
-            strategies.insert(0, ((p, p), p))  # heads sharded inside the batch dim: independent batches
+            req = _broadcast_req(node.args[0], 0, out)
+            strategies.insert(0, ((p if req != R else R, p, p), p))
     return _choose(ins, strategies)
 
 
-# ---------------------------------------------------------------- dim permutations
-def _perm_rule(perm_of):
-    def r(node, ins):
-        (p,) = ins[:1]
-        if isinstance(p, Shard):
-            perm = perm_of(node)
-            return ins, Shard(perm.index(p.dim))
-        return ins, p
-    return r
-
-
-def _transpose_perm(node):
-    nd = _ndim(node.args[0])
-    perm = list(range(nd))
-    if nd >= 2:
-        d0, d1 = node.args[1] % nd, node.args[2] % nd
-        perm[d0], perm[d1] = perm[d1], perm[d0]
-    return perm
-
-
-RULES[aten.t.default] = _perm_rule(lambda n: list(range(_ndim(n.args[0])))[::-1])
-RULES[aten.transpose.int] = _perm_rule(_transpose_perm)
-RULES[aten.permute.default] = _perm_rule(lambda n: [d % _ndim(n.args[0]) for d in n.args[1]])
-
-
-# ---------------------------------------------------------------- view family
-def _dim_groups(src: tuple[int, ...], dst: tuple[int, ...]):
-    """Pairs of (src dims, dst dims) with equal products, in order (size-1 dims attach to a group)."""
-    groups, i, j = [], 0, 0
-    while i < len(src) or j < len(dst):
-        si, sj = [i], [j]
-        a = src[i] if i < len(src) else 1
-        b = dst[j] if j < len(dst) else 1
-        i, j = i + 1, j + 1
-        while a != b:
-            if a < b and i < len(src):
-                a *= src[i]; si.append(i); i += 1
-            elif j < len(dst):
-                b *= dst[j]; sj.append(j); j += 1
-            else:
-                return None
-        groups.append(([d for d in si if d < len(src)], [d for d in sj if d < len(dst)]))
-    return groups
-
-
-@rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default)
-def view(node, ins):
-    p = ins[0]
-    if not isinstance(p, (Shard, StridedShard)):
-        return ins, p
-    src, dst = _shape(node.args[0]), _shape(node)
-    if node.target == aten.expand.default:
-        shift = len(dst) - len(src)
-        return ins, Shard(p.dim + shift) if isinstance(p, Shard) else StridedShard(p.dim + shift, p.split_factor)
-    for sdims, ddims in _dim_groups(src, dst) or []:
-        if p.dim not in sdims:
-            continue
-        real_src = [d for d in sdims if src[d] != 1]
-        real_dst = [d for d in ddims if dst[d] != 1]
-        if isinstance(p, StridedShard):
-            # (outer x sharded) splitting back into [outer, sharded]: a plain Shard again.
-            if len(real_src) == 1 and len(real_dst) == 2 and dst[real_dst[0]] == p.split_factor:
-                return ins, Shard(real_dst[1])
-            if len(real_src) == 1 and len(real_dst) == 1:
-                return ins, StridedShard(real_dst[0], p.split_factor)
-            break
-        if not real_dst:
-            break
-        if p.dim == real_src[0]:
-            return ins, Shard(real_dst[0])
-        if len(real_dst) == 1 and p.dim == real_src[-1]:
-            # The sharded dim is the innermost of a merge: a strided shard of the merged dim.
-            outer = 1
-            for d in real_src[:-1]:
-                outer *= src[d]
-            return ins, StridedShard(real_dst[0], outer)
-        break
-    return [R], R
-
-
-@rule(aten.unsqueeze.default)
-def unsqueeze(node, ins):
-    p = ins[0]
-    if isinstance(p, Shard):
-        d = node.args[1] % (_ndim(node.args[0]) + 1)
-        return ins, Shard(p.dim + (1 if d <= p.dim else 0))
-    return ins, p
+@rule(aten.linear.default)
+def linear(node, ins):
+    """``input @ weight.T + bias`` (it decomposes to mm/addmm under make_fx; kept for graphs
+    that keep it): column-parallel, row-parallel, or an input sharded on a batch dim."""
+    x, w = node.args[0], node.args[1]
+    nd, has_bias = _ndim(x), len(ins) == 3
+    if _ndim(w) != 2 or nd < 1:
+        return [R] * len(ins), R
+    bias = lambda p: (p,) if has_bias else ()  # noqa: E731
+    col_bias = Shard(0) if has_bias and _shape(node.args[2])[-1] > 1 and _ndim(node.args[2]) == 1 else R
+    strategies = [((R, R) + bias(R), R), ((R, Shard(0)) + bias(col_bias), Shard(nd - 1)),
+                  ((Shard(nd - 1), Shard(1)) + bias(P), P)]
+    if isinstance(ins[0], Shard) and ins[0].dim < nd - 1:
+        strategies.append(((ins[0], R) + bias(R), ins[0]))
+    return _choose(ins, strategies)
 
 
 # ---------------------------------------------------------------- reductions
+def _reduce_dims(node, dim_name="dim"):
+    """(sorted reduced dims, keepdim) of a reduction; no dim (None or []) reduces every dim."""
+    nd = _ndim(node.args[0])
+    try:
+        dims = _arg(node, dim_name)
+    except KeyError:
+        dims = None
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = range(nd)
+    dims = sorted({d % max(nd, 1) for d in (dims if isinstance(dims, (list, tuple, range)) else [dims])})
+    try:
+        keepdim = bool(_arg(node, "keepdim", False))
+    except KeyError:
+        keepdim = False
+    return dims, keepdim
+
+
+def _kept(p, dims, keepdim):
+    """Where a shard on a dim that is not reduced lands in the output."""
+    return _moved(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+
+
 @rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
 def reduction(node, ins):
+    """sum and mean are linear: a Partial("sum") input stays Partial. Summing a sharded dim
+    gives Partial; a mean over a sharded dim replicates first (each rank would divide by its
+    own piece's size)."""
     p = ins[0]
-    nd = _ndim(node.args[0])
-    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(nd))
-    dims = sorted(d % nd for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
-    keepdim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)) or False
+    dims, keepdim = _reduce_dims(node)
+    is_sum = node.target in (aten.sum.dim_IntList, aten.sum.default)
     if isinstance(p, Partial):
-        return (ins, P) if node.target in (aten.sum.dim_IntList, aten.sum.default) else ([R], R)
-    if isinstance(p, Shard):
+        return (ins, P) if _is_sum(p) else ([R], R)
+    if _is_shard(p):
         if p.dim in dims:
-            if node.target in (aten.sum.dim_IntList, aten.sum.default):
-                return ins, P
-            return [R], R
-        return ins, Shard(p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+            return (ins, P) if is_sum else ([R], R)
+        return ins, _kept(p, dims, keepdim)
     return ins, R
 
 
+def _minmax_partial(node, ins, reduce_op):
+    """amax/amin-style: a shard on a reduced dim gives Partial(reduce_op) where a collective for
+    it exists and no gradient flows through (``FORWARD_ONLY_PARTIALS``), else replicate first;
+    a Partial of the same reduce op passes."""
+    p = ins[0]
+    dims, keepdim = _reduce_dims(node)
+    forward_only = reduce_op in FORWARD_ONLY_PARTIALS and _no_grad(node.args[0])
+    if isinstance(p, Partial):  # a max of maxima: already a forward-only value
+        return (ins, p) if p.reduce_op == reduce_op else ([R], R)
+    if _is_shard(p):
+        if p.dim not in dims:
+            return ins, _kept(p, dims, keepdim)
+        return (ins, Partial(reduce_op)) if forward_only else ([R], R)
+    return ins, R
+
+
+@rule(aten.amax.default, aten.max.default)
+def amax(node, ins):
+    return _minmax_partial(node, ins, "max")
+
+
+@rule(aten.amin.default, aten.min.default)
+def amin(node, ins):
+    return _minmax_partial(node, ins, "min")
+
+
+@rule(aten.var.correction, aten.std.correction, aten.var.dim, aten.std.dim, aten.any.default, aten.any.dim,
+      aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims, aten.argmax.default, aten.argmin.default,
+      aten.prod.default, aten.prod.dim_int)
+def local_reduction(node, ins):
+    """Reductions that are not linear (var/std, any/all, argmax/argmin, prod): a shard on a kept
+    dim passes; a reduced sharded dim or a Partial input is replicated first."""
+    p = ins[0]
+    dims, keepdim = _reduce_dims(node)
+    if _is_shard(p) and p.dim not in dims:
+        return ins, _kept(p, dims, keepdim)
+    return [R] * len(ins), R
+
+
+@rule(aten.var_mean.correction, aten.max.dim, aten.min.dim)
+def local_reduction2(node, ins):
+    """Two-output reductions ((var, mean), (values, indices)): as ``local_reduction``, for both."""
+    req, out = local_reduction(node, ins)
+    return req, [out, out]
+
+
+# ---------------------------------------------------------------- norms and softmax
 @rule(aten._softmax.default, aten._log_softmax.default)
 def softmax(node, ins):
     p = ins[0]
     if isinstance(p, Shard) and p.dim != node.args[1] % _ndim(node.args[0]):
+        return ins, p
+    return [R], R
+
+
+@rule(aten._safe_softmax.default)
+def safe_softmax(node, ins):
+    """``_safe_softmax`` (SDPA's math path): a shard on a dim other than the softmax dim passes."""
+    p = ins[0]
+    if _is_shard(p) and p.dim != node.args[1] % _ndim(node.args[0]):
         return ins, p
     return [R], R
 
@@ -257,6 +390,65 @@ def layer_norm(node, ins):
     return [R] * len(ins), [R, R, R]
 
 
+@rule(aten._fused_rms_norm.default, aten.rms_norm.default)
+def rms_norm(node, ins):
+    """RMS norm over the trailing ``normalized_shape`` dims: a shard on a leading dim (the sequence
+    dim under sequence parallelism) passes to the output and ``rstd``; weight replicated.
+    (On CPU ``F.rms_norm`` decomposes to pow/mean/rsqrt/mul under make_fx; the fused op
+    is what other backends emit.)"""
+    p = ins[0]
+    batch_nd = _ndim(node.args[0]) - len(node.args[1])
+    n_out = len(val(node)) if isinstance(val(node), (list, tuple)) else 1
+    out = p if isinstance(p, Shard) and p.dim < batch_nd else None
+    if out is None:
+        return [R] * len(ins), [R] * n_out if n_out > 1 else R
+    return [p] + [R] * (len(ins) - 1), [out] * n_out if n_out > 1 else out
+
+
+# ---------------------------------------------------------------- attention
+# op -> (name of its mask/bias argument or None, indices of the outputs laid out [b, h, ...])
+_SDPA = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: ("attn_mask", (0, 1)),
+    aten._scaled_dot_product_flash_attention.default: (None, (0, 1, 8)),
+    aten._scaled_dot_product_efficient_attention.default: ("attn_bias", (0, 1)),
+    aten._scaled_dot_product_cudnn_attention.default: ("attn_bias", (0, 1, 8)),
+    aten.scaled_dot_product_attention.default: ("attn_mask", (0,)),
+}
+
+
+@rule(*_SDPA)
+def sdpa(node, ins):
+    """Fused attention on [b, h, s, d]: q, k and v all sharded on the batch dim or all on the
+    heads dim (same head count: no GQA grouping across ranks) give outputs (attention output,
+    logsumexp, debug mask) sharded the same way; RNG state and sequence metadata are replicated.
+    The mask broadcasts to [b, h, sq, sk]: sharded where it has that dim at full size, else
+    replicated. A shard on the sequence or head_dim, or anything else, replicates."""
+    q, k, v = node.args[:3]
+    mask_name, sharded_outs = _SDPA[node.target]
+    outs = val(node) if isinstance(val(node), (list, tuple)) else [val(node)]
+    n_in = len(ins)
+
+    def outputs(d):
+        res = []
+        for i, o in enumerate(outs):
+            ok = (d is not None and i in sharded_outs and isinstance(o, torch.Tensor) and o.dim() > d
+                  and o.shape[d] == _shape(q)[d])
+            res.append(Shard(d) if ok else R)
+        return res if len(outs) > 1 else res[0]
+
+    strategies = [([R] * n_in, outputs(None))]
+    if all(_ndim(t) == 4 for t in (q, k, v)):
+        mask = _arg(node, mask_name) if mask_name else None
+        for d in (0, 1):
+            if len({_shape(t)[d] for t in (q, k, v)}) == 1 and _shape(q)[d] > 1:
+                req = [Shard(d)] * 3
+                if n_in > 3:
+                    req.append(_broadcast_req(mask, d, (*_shape(q)[:2], _shape(q)[2], _shape(k)[2])))
+                strategies.append((req, outputs(d)))
+    return _choose(ins, strategies)
+
+
+# ---------------------------------------------------------------- others
 @rule(aten.embedding.default)
 def embedding(node, ins):
     w, idx = ins[0], ins[1]
@@ -273,7 +465,12 @@ _UNARY_SAME = [aten.clone.default, aten.detach.default, aten.alias.default, aten
 
 @rule(aten.native_dropout.default)
 def dropout(node, ins):
-    return ins, [ins[0], ins[0]]
+    """(output, mask): each rank draws its own mask for its piece. A Partial input is replicated
+    first: ranks' different masks do not sum to a dropout of the sum."""
+    p = ins[0]
+    if isinstance(p, Partial):
+        return [R], [R, R]
+    return ins, [p, p]
 
 
 def lookup(target) -> Rule | None:
@@ -285,3 +482,6 @@ def lookup(target) -> Rule | None:
     ):
         return pointwise
     return None
+
+
+from graphshard.passes import _view_rules  # noqa: E402,F401  (registers the view-family rules)
