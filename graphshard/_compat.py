@@ -77,3 +77,17 @@ def fake_process_group_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def strided_shard(dim: int, split_factor: int):
+    """DTensor's placement for a data-parallel shard of model-parallel pieces (as FSDP2 over TP)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
+def current_mesh():
+    """The DeviceMesh of the enclosing ``with mesh:`` block (as torch's parallelize_module reads it)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    return _mesh_resources.get_current_mesh()

@@ -16,6 +16,7 @@ backend
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
 from graphshard.config import CompileConfig
@@ -34,7 +35,7 @@ from graphshard.explain import GraphReport, add_compute
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
-from graphshard.storage import state_for_key
+from graphshard.storage import axis_group, state_for_key
 
 _graph_ids = itertools.count()
 
@@ -48,18 +49,50 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     t1 = time.perf_counter()
     traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     t2 = time.perf_counter()
+    dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     compiled = _aot_compile(traced, prepared.fake_inputs, prepared.ctx)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
-    if not prepared.dtensor_positions:
+    if not prepared.dtensor_positions and not dtensor_outputs:
         return compiled
     positions = frozenset(prepared.dtensor_positions)
 
     def run(*args):
-        return compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
+        outs = compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
+        if not dtensor_outputs:
+            return outs
+        outs = list(outs)
+        for i, wrap in dtensor_outputs.items():
+            outs[i] = wrap(outs[i])
+        return outs
 
     return run
+
+
+def _dtensor_outputs(gm: fx.GraphModule, ctx: PassContext) -> dict:
+    """Graph outputs that are declared module outputs with ``use_local_output=False``: the caller
+    gets them as DTensors over the model-parallel axes, built from the compiled local values."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    wraps = {}
+    for i, (placements, local) in (out_node.meta.get("output_layouts") or {}).items():
+        if local:
+            continue
+        axes = [a for a, p in placements.items() if p != Replicate()]
+        if len(axes) != 1:
+            raise NotImplementedError(
+                f"graph output {i} is sharded over several model-parallel axes {axes} with use_local_output=False; "
+                "graphshard returns DTensor outputs over one axis: set use_local_output=True there"
+            )
+        logical = out_node.args[0][i].meta.get("logical_shape")
+        wraps[i] = functools.partial(_as_dtensor, mesh=ctx.meshes[axes[0]], placements=[placements[axes[0]]],
+                                     shape=logical)
+    return wraps
+
+
+def _as_dtensor(local: torch.Tensor, *, mesh, placements, shape) -> DTensor:
+    stride = torch.empty(shape, device="meta").stride() if shape is not None else None
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @dataclass
@@ -78,13 +111,15 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
     traced = _trace_to_aten(gm, fake_inputs, fake_mode)
     keys = [n.args[1] for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.param.default]
-    state = state_for_key(keys[0]) if keys else None
+    layouts = [n for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.layout.default]
+    state = state_for_key(keys[0]) if keys else state_for_key(layouts[0].args[1]) if layouts else None
     report = GraphReport(index=len(state.explain) if state else next(_graph_ids))
     if state is not None:
         state.explain.append(report)
-    ctx = _context(keys, config, report, fake_mode)
+    ctx = _context(keys, layouts, config, report, fake_mode)
     ctx.graph_index = report.index
     ctx.input_units = _input_units(traced)
+    ctx.input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
     return Prepared(traced, ctx, fake_inputs, dtensor_positions)
 
 
@@ -132,8 +167,8 @@ def _input_units(gm: fx.GraphModule) -> list:
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> PassContext:
-    model_parallel, group_axes = {}, {}
+def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphReport, fake_mode) -> PassContext:
+    model_parallel, group_axes, meshes = {}, {}, {}
     for key in dict.fromkeys(keys):
         info = lookup_param(key)
         for axis, _ in info.model_parallel:
@@ -141,8 +176,18 @@ def _context(keys, config: CompileConfig, report: GraphReport, fake_mode) -> Pas
         for axis in [info.shard, *info.replicate, *(a for a, _ in info.model_parallel)]:
             if axis is not None:
                 group_axes[axis.name] = axis.group_name
+    for node in layouts:  # a module with declared layouts but no sharded parameter of its own
+        state = state_for_key(node.args[1])
+        axis = node.args[2]
+        if axis not in model_parallel and state is not None:
+            model_parallel[axis] = axis_group(state.plan, axis)
+            group_axes[axis] = model_parallel[axis].group_name
+    for state in {id(s): s for s in map(state_for_key, [*keys, *(n.args[1] for n in layouts)]) if s}.values():
+        plan = state.plan
+        for axis in plan.model_parallel_axes:
+            meshes.setdefault(axis, plan.mesh if plan.mesh.ndim == 1 else plan.mesh[axis])
     return PassContext(config=config, model_parallel=model_parallel, report=report,
-                       fake_mode=fake_mode, group_axes=group_axes)
+                       fake_mode=fake_mode, group_axes=group_axes, meshes=meshes)
 
 
 def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):

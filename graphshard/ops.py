@@ -33,6 +33,9 @@ lib.define("reduce_scatter(Tensor x, int dim, str group, int world, int rank) ->
 lib.define("shard(Tensor x, int dim, str group, int world, int rank) -> Tensor")
 lib.define("grad_all_reduce(Tensor x, str group, int world) -> Tensor")
 lib.define("to_partial(Tensor x, int rank) -> Tensor")
+lib.define("layout(Tensor x, str where, str axis, str placement, bool local) -> Tensor")
+lib.define("all_reduce_max(Tensor x, str group) -> Tensor")
+lib.define("all_gather_partial_grad(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
 
 ops = torch.ops.graphshard
 
@@ -60,7 +63,7 @@ def _gather_dim(x: torch.Tensor, dim: int, size: int, group: str, world: int) ->
     out = _wait(c10d.all_gather_into_tensor(x.contiguous(), world, group))
     if out.shape[0] != size:
         out = out.narrow(0, 0, size)
-    return out.movedim(0, dim) if dim != 0 else out
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 def _local_chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
@@ -80,7 +83,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
         x = x.movedim(dim, 0)
     out = _wait(c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group))
     out = out.narrow(0, 0, chunk_size(n, world, rank))
-    return out.movedim(0, dim) if dim != 0 else out
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +276,27 @@ torch.library.register_autograd("graphshard::unshard", _unshard_backward, setup_
 
 
 # --------------------------------------------------------------------------------------------
+# graphshard::layout, a declared activation layout (a tensor-parallel style's module input or
+# output). An identity on values: the program is logical. insert_collectives replaces it by the
+# redistribution to ``placement`` on mesh axis ``axis``; ``local`` (use_local_output) says whether
+# a model output the caller receives is the local shard or a DTensor.
+# --------------------------------------------------------------------------------------------
+@torch.library.impl(lib, "layout", "CompositeExplicitAutograd")
+def _layout_eager(x, where, axis, placement, local):
+    return x.clone()
+
+
+@torch.library.register_fake("graphshard::layout")
+def _layout_fake(x, where, axis, placement, local):
+    return torch.empty_like(x)
+
+
+torch.library.register_autograd(
+    "graphshard::layout", lambda ctx, g: (g, None, None, None, None), setup_context=lambda ctx, inputs, output: None
+)
+
+
+# --------------------------------------------------------------------------------------------
 # Model-parallel redistributions (forward collective, backward its transpose)
 # --------------------------------------------------------------------------------------------
 def _all_reduce_decomp(x, group, world):
@@ -299,6 +323,12 @@ def _to_partial_decomp(x, rank):
     return x.clone() if rank == 0 else torch.zeros_like(x)
 
 
+def _all_reduce_max_decomp(x, group):
+    """Partial(max) -> Replicate. Only for values no gradient flows through (a softmax's
+    stabilising maximum); it has no autograd formula."""
+    return _wait(c10d.all_reduce(x.contiguous(), "max", group))
+
+
 def _fake_all_gather(x, dim, size, group, world, rank):
     shape = list(x.shape)
     shape[dim] = size
@@ -314,10 +344,12 @@ def _fake_scatter(x, dim, group, world, rank):
 _DECOMPS = {
     "all_reduce": (_all_reduce_decomp, lambda x, group, world: torch.empty_like(x)),
     "all_gather": (_all_gather_decomp, _fake_all_gather),
+    "all_gather_partial_grad": (_all_gather_decomp, _fake_all_gather),
     "reduce_scatter": (_reduce_scatter_decomp, _fake_scatter),
     "shard": (_shard_decomp, _fake_scatter),
     "grad_all_reduce": (_grad_all_reduce_decomp, lambda x, group, world: torch.empty_like(x)),
     "to_partial": (_to_partial_decomp, lambda x, rank: torch.empty_like(x)),
+    "all_reduce_max": (_all_reduce_max_decomp, lambda x, group: torch.empty_like(x)),
 }
 for _name, (_impl, _fake) in _DECOMPS.items():
     torch.library.impl(lib, _name, "CompositeExplicitAutograd")(
@@ -338,6 +370,11 @@ def _bw_all_reduce(ctx, g):  # Partial -> Replicate: the gradient of a replicate
 def _bw_all_gather(ctx, g):  # Shard -> Replicate: every rank's gradient is whole; keep our chunk
     dim, size, group, world, rank = ctx.args
     return _local_chunk(g, dim, world, rank), None, None, None, None, None
+
+
+def _bw_all_gather_partial_grad(ctx, g):  # every use of the gathered value is sharded compute: partial grads
+    dim, size, group, world, rank = ctx.args
+    return _reduce_scatter_dim(g, dim, group, world, rank), None, None, None, None, None
 
 
 def _bw_reduce_scatter(ctx, g):  # Partial -> Shard: gather the shards back
@@ -363,6 +400,7 @@ for _name, _bw in [
     ("to_partial", _bw_to_partial),
     ("all_reduce", _bw_all_reduce),
     ("all_gather", _bw_all_gather),
+    ("all_gather_partial_grad", _bw_all_gather_partial_grad),
     ("reduce_scatter", _bw_reduce_scatter),
     ("shard", _bw_shard),
     ("grad_all_reduce", _bw_grad_all_reduce),
@@ -376,9 +414,11 @@ def decompositions() -> dict:
         ops.unshard.default: _unshard_decomp,
         ops.all_reduce.default: _all_reduce_decomp,
         ops.all_gather.default: _all_gather_decomp,
+        ops.all_gather_partial_grad.default: _all_gather_decomp,
         ops.reduce_scatter.default: _reduce_scatter_decomp,
         ops.shard.default: _shard_decomp,
         ops.grad_all_reduce.default: _grad_all_reduce_decomp,
         ops.to_partial.default: _to_partial_decomp,
+        ops.all_reduce_max.default: _all_reduce_max_decomp,
     }
 

@@ -7,7 +7,9 @@ A module matched by a data-parallel spec (`FullyShard`, `Replicate`) becomes a
 *unit*: it owns those of its parameters that no deeper unit owns, the bottom-up
 semantics of FSDP's auto-wrapping, and its parameters are gathered by one
 collective. A `ShardParams` spec lays parameters out over a model-parallel mesh
-axis (the primitive that tensor-parallel styles compile to).
+axis; the tensor-parallel styles (`ColwiseParallel`, `RowwiseParallel`,
+`SequenceParallel`, `PrepareModuleInput`, `PrepareModuleOutput`) apply to the
+``"tp"`` mesh axis and also declare their module's input and output layouts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate as _R, Shard as _S
+
+from graphshard.styles import ModuleIO, ParallelStyle
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,8 +75,10 @@ class ShardParams:
 
 
 UnitSpec = Union[FullyShard, Replicate]
-Spec = Union[FullyShard, Replicate, ShardParams]
-_SPEC_TYPES = (FullyShard, Replicate, ShardParams)
+Spec = Union[FullyShard, Replicate, ShardParams, ParallelStyle]
+_SPEC_TYPES = (FullyShard, Replicate, ShardParams, ParallelStyle)
+TP_AXIS = "tp"
+"""The mesh axis the tensor-parallel styles apply to (on a 1-D mesh: its only axis)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,23 +117,38 @@ class Plan:
     def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
-        if mesh.mesh_dim_names is None:
-            raise ValueError("Plan needs a mesh with named axes: init_device_mesh(..., mesh_dim_names=('dp',))")
         for key, spec in rules.items():
             if not isinstance(key, str):
                 raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
             if not isinstance(spec, _SPEC_TYPES):
                 raise ValueError(
-                    f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate() or ShardParams(...)"
+                    f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...) "
+                    "or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
                 )
+        styled = any(isinstance(s, ParallelStyle) for s in rules.values())
+        if mesh.mesh_dim_names is not None:
+            axes = tuple(mesh.mesh_dim_names)
+        elif mesh.ndim == 1 and rules and all(isinstance(s, ParallelStyle) for s in rules.values()):
+            axes = (TP_AXIS,)  # parallelize_module on an unnamed 1-D mesh: that mesh is the tp axis
+        else:
+            raise ValueError("Plan needs a mesh with named axes: init_device_mesh(..., mesh_dim_names=('dp',))")
         self.mesh = mesh
+        self.axis_names = axes
         self.rules = dict(rules)
         self.strict = strict
-        axes = tuple(mesh.mesh_dim_names)
+        # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
+        self.tp_axis = TP_AXIS if TP_AXIS in axes or len(axes) != 1 else axes[0]
         mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}
+        if styled:
+            mp_axes.add(self.tp_axis)
         for key, spec in self.rules.items():
             if isinstance(spec, ShardParams) and spec.mesh_axis not in axes:
                 raise ValueError(f"plan key {key!r}: ShardParams axis {spec.mesh_axis!r} is not a mesh axis {axes}")
+            if isinstance(spec, ParallelStyle) and self.tp_axis not in axes:
+                raise ValueError(
+                    f"plan key {key!r}: {type(spec).__name__} applies to the {TP_AXIS!r} mesh axis, but the mesh has "
+                    f"{axes}; name the tensor-parallel axis {TP_AXIS!r}"
+                )
         self.model_parallel_axes = tuple(a for a in axes if a in mp_axes)
         self.data_parallel_axes = tuple(a for a in axes if a not in mp_axes)
         for key, spec in self.rules.items():
@@ -141,6 +162,14 @@ class Plan:
                     f"plan key {key!r}: FullyShard(shard_axis={spec.shard_axis!r}) is not a data-parallel axis of the "
                     f"mesh; choose one of {self.data_parallel_axes}"
                 )
+
+    def spec_axis(self, spec: ShardParams | ParallelStyle) -> str:
+        """The model-parallel mesh axis a parameter-layout spec applies to."""
+        return spec.mesh_axis if isinstance(spec, ShardParams) else self.tp_axis
+
+    def group(self, axis: str):
+        """The process group of mesh axis ``axis``."""
+        return self.mesh.get_group(self.axis_names.index(axis))
 
     def shard_axis(self, spec: FullyShard) -> str:
         return spec.shard_axis or self.data_parallel_axes[-1]
@@ -159,9 +188,20 @@ class ParamLayout:
     unit_spec: UnitSpec | None
 
 
-def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
-    """Match plan keys to modules and give every parameter (by identity) its layout.
+@dataclass(frozen=True)
+class Resolution:
+    """A plan applied to a model."""
 
+    layouts: dict[int, ParamLayout]           # by parameter identity; parameters the plan leaves alone are absent
+    io: dict[int, tuple[str, ModuleIO]]       # by module identity: declared activation layouts (styles)
+
+
+def resolve(model: nn.Module, plan: Plan) -> Resolution:
+    """Match plan keys to modules and give every planned parameter (by identity) its layout.
+
+    On a mesh with a data-parallel axis every parameter needs a unit; on a purely
+    model-parallel mesh, parameters of modules no spec names stay as they are
+    (plain tensors, replicated, as torch's ``parallelize_module`` leaves them).
     Raises ValueError, naming the key or FQN, for keys that match nothing or
     match a parameter, modules claimed twice, and parameters that no unit owns
     on a mesh with a data-parallel axis.
@@ -185,10 +225,24 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
 
     # Unit specs: one per module object; a shared module is a unit once.
     unit_of_module: dict[int, tuple[str, UnitSpec, int]] = {}
-    mp_of_module: dict[int, list[tuple[str, ShardParams]]] = {}
+    mp_of_module: dict[int, list[tuple[str, ShardParams | ParallelStyle]]] = {}
+    io: dict[int, tuple[str, ModuleIO]] = {}
+    style_of: dict[int, tuple[str, ParallelStyle]] = {}
     for key, spec in plan.rules.items():
         for fqn, mod in matched[key]:
-            if isinstance(spec, ShardParams):
+            if isinstance(spec, ParallelStyle):
+                prev = style_of.setdefault(id(mod), (fqn, spec))
+                if prev[1] != spec:
+                    raise ValueError(
+                        f"module {fqn!r} is given two tensor-parallel styles ({prev[1]!r} under {prev[0]!r} and "
+                        f"{spec!r}); a module object gets one style: fix the plan keys"
+                    )
+                if prev[0] != fqn:
+                    continue  # a shared module, reached again under another FQN: parallelized once
+                module_io = spec.io(fqn, mod)
+                if module_io is not None:
+                    io[id(mod)] = (fqn, module_io)
+            if isinstance(spec, (ShardParams, ParallelStyle)):
                 mp_of_module.setdefault(id(mod), []).append((fqn, spec))
                 continue
             prev = unit_of_module.get(id(mod))
@@ -213,11 +267,14 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
 
     # Model-parallel placements per parameter.
     mp_place: dict[int, dict[str, Placement]] = {}
+    planned: set[int] = set()
     for mid, entries in mp_of_module.items():
         for mfqn, spec in entries:
             mod = modules[mfqn]
             local = dict(mod.named_parameters(recurse=False))
-            for pname, placement in spec.placements.items():
+            planned.update(id(p) for p in local.values())
+            placements = spec.placements if isinstance(spec, ShardParams) else spec.param_placements(mfqn, mod)
+            for pname, placement in placements.items():
                 if pname not in local:
                     raise ValueError(
                         f"ShardParams on {mfqn!r} names parameter {pname!r}, but that module has {sorted(local)}"
@@ -227,7 +284,7 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
                 p = local[pname]
                 if isinstance(placement, _S) and not -p.dim() <= placement.dim < p.dim():
                     raise ValueError(f"{mfqn}.{pname}: Shard({placement.dim}) is out of range for shape {tuple(p.shape)}")
-                mp_place.setdefault(id(p), {})[spec.mesh_axis] = placement
+                mp_place.setdefault(id(p), {})[plan.spec_axis(spec)] = placement
 
     layouts: dict[int, ParamLayout] = {}
     orphans = []
@@ -237,8 +294,10 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
         if plan.data_parallel_axes and unit is None:
             orphans.append(fqns[0])
             continue
+        if not plan.data_parallel_axes and pid not in planned:
+            continue
         placements = []
-        for axis in plan.mesh.mesh_dim_names:
+        for axis in plan.axis_names:
             if axis in plan.model_parallel_axes:
                 pl = mp_place.get(pid, {}).get(axis, _R())
                 if isinstance(pl, _S) and pl.dim < 0:
@@ -254,4 +313,4 @@ def resolve(model: nn.Module, plan: Plan) -> dict[int, ParamLayout]:
             f"parameters {orphans[:5]}{' ...' if len(orphans) > 5 else ''} belong to no unit; every parameter needs "
             "a FullyShard() or Replicate() owner on a data-parallel mesh: add a root key, e.g. {'': FullyShard()}"
         )
-    return layouts
+    return Resolution(layouts, io)

@@ -11,6 +11,7 @@ module, tied weights) is one object, sharded once, and every FQN points at it.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -20,9 +21,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from graphshard import _compat
 from graphshard.ops import ops
-from graphshard.params import AxisGroup, ParamInfo, register
+from graphshard.params import AxisGroup, ParamInfo, chunk_size, register
 from graphshard.plan import FullyShard, Plan, resolve
+from graphshard.styles import Layout, ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
 _STATES: "weakref.WeakValueDictionary[int, ShardedState]" = weakref.WeakValueDictionary()
@@ -55,8 +58,8 @@ def state_for_key(key: str) -> ShardedState | None:
     return _STATES.get(int(key.split("/", 1)[0][1:]))
 
 
-def _axis_group(mesh, axis: str) -> AxisGroup:
-    group = mesh.get_group(axis)
+def axis_group(plan: Plan, axis: str) -> AxisGroup:
+    group = plan.group(axis)
     return AxisGroup(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group))
 
 
@@ -79,10 +82,11 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         raise ValueError(f"{type(model).__name__} is already sharded by graphshard; shard the original model once")
     if not isinstance(model, nn.Module):
         raise ValueError(f"graphshard.shard takes an nn.Module, got {type(model).__name__}")
-    layouts = resolve(model, plan)
+    resolution = resolve(model, plan)
+    layouts = resolution.layouts
     mesh = plan.mesh
     model_id = next(_model_ids)
-    groups = {axis: _axis_group(mesh, axis) for axis in mesh.mesh_dim_names}
+    groups = {axis: axis_group(plan, axis) for axis in plan.axis_names}
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
 
     replacements: dict[int, nn.Parameter] = {}
@@ -90,17 +94,19 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
     units: dict[str, list[str]] = {}
     key_of: dict[int, str] = {}
     for fqn, p in model.named_parameters():  # deduplicated by identity, in registration order
-        layout = layouts[id(p)]
+        layout = layouts.get(id(p))
+        if layout is None:
+            continue  # a purely model-parallel plan leaves this parameter alone
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"parameter {fqn!r} is already sharded (an earlier graphshard.shard or parallelize_module call "
+                "covered it); each module is parallelized once: drop it from this plan"
+            )
         if p.dim() == 0 and any(isinstance(pl, Shard) for pl in layout.placements):
             raise NotImplementedError(f"parameter {fqn!r} is a scalar and cannot be sharded; exclude it from sharding specs")
-        mp = tuple((groups[a], pl) for a, pl in zip(mesh.mesh_dim_names, layout.placements) if a in plan.model_parallel_axes)
+        mp = tuple((groups[a], pl) for a, pl in zip(plan.axis_names, layout.placements) if a in plan.model_parallel_axes)
         spec = layout.unit_spec
         shard_axis = plan.shard_axis(spec) if isinstance(spec, FullyShard) else None
-        if shard_axis is not None and any(pl == Shard(0) for _, pl in mp):
-            raise NotImplementedError(
-                f"parameter {fqn!r} is sharded on dim 0 by both FullyShard and a model-parallel spec; "
-                "shard the model-parallel axis on another dim"
-            )
         key = f"m{model_id}/{fqn}"
         info = ParamInfo(
             key=key,
@@ -118,22 +124,20 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         if layout.unit is not None:
             units.setdefault(layout.unit, []).append(key)
         with torch.no_grad():
-            dt = distribute_tensor(p.detach().to(device), mesh, list(layout.placements))
+            dt = _distribute(p.detach().to(device), info, plan)
         replacements[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
 
-    seen: set[int] = set()
+    tp_axis = plan.tp_axis
     for mod in model.modules():  # modules() deduplicates shared modules
-        if id(mod) in seen:
-            continue
-        seen.add(id(mod))
         names = {}
         for pname, p in list(mod._parameters.items()):
             if p is not None and id(p) in replacements:
                 mod._parameters[pname] = replacements[id(p)]
                 names[pname] = key_of[id(p)]
-        if names:
-            _install_markers(mod, names)
-    _install_root_forward(model)
+        io = resolution.io.get(id(mod))
+        bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
+        if names or bound is not None or mod is model:
+            _install(mod, keys=names, io=bound, root=mod is model)
     state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units)
     register(list(infos.values()), model)
     model._graphshard = state
@@ -141,19 +145,105 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
     return model
 
 
-def _install_markers(mod: nn.Module, keys: dict[str, str]) -> None:
-    """Swaps ``mod``'s class for a subclass whose parameter attributes go through the marker."""
+def _distribute(p: torch.Tensor, info: ParamInfo, plan: Plan) -> DTensor:
+    """The DTensor holding ``p`` as ``info`` lays it out.
+
+    When FullyShard and a model-parallel axis both shard dim 0 (FSDP over a
+    column-parallel Linear), the data-parallel axis shards each model-parallel
+    piece, as FSDP2 does over tensor parallelism: the data-parallel placement is a
+    strided shard of dim 0.
+    """
+    placements = list(info.layout.placements)
+    both_dim0 = info.shard is not None and any(pl == Shard(0) for _, pl in info.model_parallel)
+    if not both_dim0:
+        return distribute_tensor(p, plan.mesh, placements)
+    local = p
+    for axis, pl in info.model_parallel:
+        if isinstance(pl, Shard):
+            local = _chunk(local, pl.dim, axis.world, axis.rank)
+    local = _chunk(local, 0, info.shard.world, info.shard.rank).contiguous()
+    dp_index = plan.axis_names.index(info.shard.name)
+    mp_world = math.prod(axis.world for axis, pl in info.model_parallel if pl == Shard(0))
+    placements[dp_index] = _compat.strided_shard(0, mp_world)
+    return DTensor.from_local(local, plan.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def _chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    c = -(-x.shape[dim] // world)
+    return x.narrow(dim, min(c * rank, x.shape[dim]), chunk_size(x.shape[dim], world, rank))
+
+
+class _BoundIO:
+    """A module's declared activation layouts, applied as ``graphshard::layout`` nodes."""
+
+    def __init__(self, fqn: str, axis: str, io: ModuleIO):
+        self.fqn, self.axis, self.io = fqn, axis, io
+
+    def _apply(self, x, steps, where: str):
+        if not isinstance(x, torch.Tensor):
+            return x
+        for p in steps:
+            x = ops.layout(x, where, self.axis, placement_str(p), self.io.use_local_output)
+        return x
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(self._apply(a, layout_steps(self.io.inputs, i), f"{self.fqn}:in{i}") for i, a in enumerate(args))
+        if self.io.kwarg_inputs:
+            kwargs = dict(kwargs)
+            for name, layout in self.io.kwarg_inputs:
+                if name in kwargs:
+                    kwargs[name] = self._apply(kwargs[name], layout.steps(), f"{self.fqn}:in[{name}]")
+        return args, kwargs
+
+    def outputs(self, out):
+        outs = self.io.outputs
+        if isinstance(out, torch.Tensor):
+            return self._apply(out, layout_steps(outs, 0), f"{self.fqn}:out0")
+        if isinstance(out, (tuple, list)) and outs:
+            return type(out)(self._apply(o, layout_steps(outs, i), f"{self.fqn}:out{i}") for i, o in enumerate(out))
+        return out
+
+
+def _install(mod: nn.Module, *, keys: dict[str, str], io: _BoundIO | None, root: bool) -> None:
+    """Swaps ``mod``'s class for a subclass whose parameter attributes go through the marker and
+    whose forward applies the declared activation layouts (and, on the root, tracks forward depth)."""
     cls = type(mod)
-    if getattr(cls, "_graphshard_base", None) is not None:
-        cls = cls._graphshard_base
-    cache_key = (cls, frozenset(keys))
+    base = getattr(cls, "_graphshard_base", cls)
+    keys = {**getattr(mod, "_graphshard_keys", {}), **keys}
+    if io is not None:
+        mod._graphshard_io = io
+    if root:
+        mod._graphshard_root = True
+    wraps_forward = "_graphshard_io" in mod.__dict__ or "_graphshard_root" in mod.__dict__
+    cache_key = (base, frozenset(keys), wraps_forward)
     sub = _subclass_cache.get(cache_key)
     if sub is None:
-        props = {name: property(_marker_getter(name)) for name in keys}
-        sub = type(cls.__name__, (cls,), {**props, "_graphshard_base": cls, "__module__": cls.__module__})
+        attrs = {name: property(_marker_getter(name)) for name in keys}
+        if wraps_forward:
+            attrs["forward"] = _wrapped_forward(base)
+        sub = type(base.__name__, (base,), {**attrs, "_graphshard_base": base, "__module__": base.__module__})
         _subclass_cache[cache_key] = sub
     mod.__class__ = sub
-    mod._graphshard_keys = dict(keys)
+    if keys:
+        mod._graphshard_keys = keys
+
+
+def _wrapped_forward(base: type):
+    def forward(self, *args, **kwargs):
+        io = self.__dict__.get("_graphshard_io")
+        if io is not None:
+            args, kwargs = io.inputs(args, kwargs)
+        if self.__dict__.get("_graphshard_root") and not torch.compiler.is_compiling():
+            _forward.depth += 1
+            try:
+                out = base.forward(self, *args, **kwargs)
+            finally:
+                _forward.depth -= 1
+        else:
+            out = base.forward(self, *args, **kwargs)
+        return out if io is None else io.outputs(out)
+
+    return forward
 
 
 def _marker_getter(name: str):
@@ -172,22 +262,3 @@ class _ForwardDepth(threading.local):
 
 
 _forward = _ForwardDepth()
-
-
-def _install_root_forward(model: nn.Module) -> None:
-    """Parameters read inside the sharded model's forward go through the marker (gathered);
-    read anywhere else they are the sharded DTensors."""
-    cls = type(model)
-    base = getattr(cls, "_graphshard_base", cls)
-
-    def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            return base.forward(self, *args, **kwargs)
-        _forward.depth += 1
-        try:
-            return base.forward(self, *args, **kwargs)
-        finally:
-            _forward.depth -= 1
-
-    model.__class__ = type(base.__name__, (cls,), {"forward": forward, "_graphshard_base": base,
-                                                   "__module__": base.__module__})

@@ -47,7 +47,7 @@ def fmt_placement(p: Placement) -> str:
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
-        return "P"
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
     return "R"
 
 

@@ -12,6 +12,13 @@
 - A replicated value that needs a gradient and feeds an op whose output is
   sharded or partial on an axis gets ``grad_all_reduce`` (identity forward,
   all-reduce backward): its gradient from that op is a partial sum.
+- ``graphshard::layout`` nodes (declared module layouts) have done their job
+  once their input is redistributed; they are removed.
+- Gradient guards are then merged: a value all of whose uses (directly or
+  through views) are guarded gets one guard instead of one per use, and an
+  all-gather whose every use is guarded becomes ``all_gather_partial_grad``,
+  whose backward is one reduce-scatter (sequence parallelism's pattern) instead
+  of all-reduces followed by a local slice.
 """
 
 from __future__ import annotations
@@ -24,14 +31,14 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.params import lookup as lookup_param
-from graphshard.passes._graph import R, fmt_placement, tensor_args
+from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
 from graphshard.passes.pipeline import PassContext
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
-    needs_grad = _needs_grad(gm)
+    needs_grad = _needs_grad(gm, ctx)
     cache: dict[tuple, fx.Node] = {}
     for node in list(g.nodes):
         if node.op == "call_function" and node.target == ops.param.default:
@@ -42,17 +49,82 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             arg = _get_arg(node, pos)
             new = _redistribute(g, arg, want, node, ctx, cache)
             _set_arg(node, pos, new)
+        if node.op == "call_function" and node.target == ops.layout.default:
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            continue
         if ctx.model_parallel and node.op == "call_function":
             _guard_replicated_grads(g, node, needs_grad, ctx, cache)
+    if ctx.model_parallel:
+        _merge_grad_guards(g)
     return gm
 
 
-def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose values depend on a parameter (so get a gradient in training)."""
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+          aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.expand.default}
+
+
+def _is_guard(node: fx.Node, group: str | None = None) -> bool:
+    return (node.op == "call_function" and node.target == ops.grad_all_reduce.default
+            and (group is None or node.args[1] == group))
+
+
+def _merge_grad_guards(g: fx.Graph) -> None:
+    """One gradient all-reduce per value instead of one per use; all-gathers whose uses are all
+    guarded reduce-scatter their gradient instead."""
+    changed = True
+    while changed:
+        changed = False
+        erased: set[fx.Node] = set()
+        for guard in [n for n in g.nodes if _is_guard(n)]:
+            if guard in erased:
+                continue
+            view = guard.args[0]
+            if view.op != "call_function" or view.target not in _VIEWS:
+                continue
+            source = view.args[0]
+            group, world = guard.args[1], guard.args[2]
+            uses = list(source.users)
+            if not all(_is_guard(u, group) or (u.target in _VIEWS and u.users and all(_is_guard(w, group) for w in u.users))
+                       for u in uses):
+                continue
+            with g.inserting_after(source):
+                merged = g.call_function(ops.grad_all_reduce.default, (source, group, world))
+            merged.meta.update({k: v for k, v in guard.meta.items() if k != "val"})
+            merged.meta["val"] = source.meta["val"]
+            merged.meta["placement"] = source.meta.get("placement")
+            for u in uses:
+                if _is_guard(u):
+                    u.replace_all_uses_with(merged)
+                    g.erase_node(u)
+                    erased.add(u)
+                else:
+                    u.replace_input_with(source, merged)
+                    for w in list(u.users):
+                        w.replace_all_uses_with(u)
+                        g.erase_node(w)
+                        erased.add(w)
+            changed = True
+    for node in list(g.nodes):
+        if node.op == "call_function" and node.target == ops.all_gather.default and node.users and all(
+            _is_guard(u, node.args[3]) for u in node.users
+        ):
+            for u in list(node.users):
+                u.replace_all_uses_with(node)
+                g.erase_node(u)
+            node.target = ops.all_gather_partial_grad.default
+
+
+def _needs_grad(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
+    """Nodes whose values depend on a parameter or on an input that requires grad."""
     out: set[fx.Node] = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out.update(n for n, rg in zip(placeholders, ctx.input_requires_grad) if rg)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == ops.param.default:
             out.add(node)
+        elif node.op == "call_function" and node.target == aten.detach.default:
+            continue
         elif any(a in out for a in node.all_input_nodes):
             out.add(node)
     return out
@@ -99,16 +171,28 @@ def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassConte
             new.meta["cause"] = consumer.name
             v = x.meta["val"]
             ctx.report.collectives.append(
-                CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), f"node {consumer.name} ({consumer.target})",
-                                 "pre_autograd")
+                CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), _cause(consumer), "pre_autograd")
             )
             x = new
     cache[key] = x
     return x
 
 
+def _cause(consumer: fx.Node) -> str:
+    if consumer.op == "call_function" and consumer.target == ops.layout.default:
+        where = consumer.args[1].split("/", 1)[-1]
+        return f"declared layout {where} = {consumer.args[3]}"
+    if consumer.op == "output":
+        return "graph output (the caller gets the logical value)"
+    return f"node {consumer.name} ({consumer.target})"
+
+
 def _steps(src, dst):
     """The op sequence that turns placement ``src`` into ``dst`` on one axis."""
+    if isinstance(src, Partial) and src.reduce_op == "max" and isinstance(dst, Replicate):
+        return [(ops.all_reduce_max.default, (), "all_reduce(max)")]
+    if isinstance(src, Partial) and src.reduce_op != "sum":
+        raise NotImplementedError(f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}")
     if isinstance(src, Shard) and isinstance(dst, Replicate):
         return [(ops.all_gather.default, (src.dim,), "all_gather")]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
@@ -130,7 +214,7 @@ def _steps(src, dst):
 
 
 def _after(src, op, op_args):
-    if op in (ops.all_gather.default, ops.all_reduce.default):
+    if op in (ops.all_gather.default, ops.all_reduce.default, ops.all_reduce_max.default):
         return R
     if op in (ops.reduce_scatter.default, ops.shard.default):
         return Shard(op_args[0])
@@ -145,6 +229,8 @@ def _op_args(op, x: fx.Node, op_args, axis):
         return (x, dim, x.meta["val"].shape[dim], axis.group_name, axis.world, axis.rank)
     if op == ops.all_reduce.default:
         return (x, axis.group_name, axis.world)
+    if op == ops.all_reduce_max.default:
+        return (x, axis.group_name)
     if op in (ops.reduce_scatter.default, ops.shard.default):
         return (x, op_args[0], axis.group_name, axis.world, axis.rank)
     if op == ops.to_partial.default:

@@ -28,6 +28,8 @@ class PassContext:
     report: GraphReport
     group_axes: dict[str, str] = field(default_factory=dict)  # mesh axis name -> c10d group name
     input_units: list = field(default_factory=list)  # per graph input: the unit of the parameter shard it is, or None
+    input_requires_grad: list = field(default_factory=list)  # per graph input: whether it requires grad
+    meshes: dict = field(default_factory=dict)  # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
     fake_mode: object = None
     stage: str = "pre_autograd"
     graph_index: int = 0
