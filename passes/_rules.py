@@ -255,8 +255,11 @@ def baddbmm(node, ins):
                   ((inp[2], R, Shard(2)), Shard(2)), ((P, Shard(2), Shard(1)), P)]
     for p in ins[1:]:
         if isinstance(p, StridedShard) and p.dim == 0:
-            req = _broadcast_req(node.args[0], 0, out)
-            strategies.insert(0, ((p if req != R else R, p, p), p))
+            # The input must broadcast over the batch or already be laid out the same way
+            # (a strided shard cannot be made from a replicated value).
+            req = R if _broadcast_req(node.args[0], 0, out) == R else p
+            if req == R or ins[0] == p:
+                strategies.insert(0, ((req, p, p), p))
     return _choose(ins, strategies)
 
 

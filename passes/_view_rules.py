@@ -183,7 +183,9 @@ def unbind(node, ins):
 def _join(node, ins, out_dim_of):
     """cat/stack: all inputs sharded on the same dim d (not the joined one) give the output
     sharded on ``out_dim_of(d)`` (None: not allowed); replicated inputs are sliced to match.
-    All inputs the same Partial give that Partial. Otherwise replicate."""
+    All inputs the same Partial give that Partial (the same reduction volume). A Partial
+    joined with other placements is reduced first (to a shard where that is cheapest) rather
+    than made the pending reduction of the larger joined tensor. Otherwise replicate."""
     n = len(ins)
     if all(isinstance(p, Partial) for p in ins) and len(set(ins)) == 1:
         return ins, ins[0]
@@ -256,9 +258,9 @@ def index(node, ins):
     indexed on (indices replicated) keeps that shard, renumbered; x replicated and the indices
     sharded on one broadcast dim (like a pointwise op) give the output sharded there; a
     Partial x passes with replicated indices. Boolean masks replicate (data-dependent shape)."""
-    x, indices = node.args[0], list(node.args[1])
+    indices = list(node.args[1])
     tensors = [t for t in indices if t is not None]
-    if len(ins) != 1 + len(tensors) or any(val(t).dtype in (torch.bool, torch.uint8) for t in tensors):
+    if not tensors or len(ins) != 1 + len(tensors) or any(val(t).dtype in (torch.bool, torch.uint8) for t in tensors):
         return [R] * len(ins), R
     pos = [i for i, t in enumerate(indices) if t is not None]
     bshape = tuple(torch.broadcast_shapes(*(_shape(t) for t in tensors)))

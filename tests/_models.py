@@ -69,3 +69,63 @@ class Stack(nn.Module):
 
 def stack():
     return seeded(Stack)
+
+
+class RotaryAttention(nn.Module):
+    """Attention with rotary position embeddings and ``scaled_dot_product_attention``;
+    head counts hard-coded in the views.
+
+    ``complex_form=False``: the real form, ``x * cos + rotate_half(x) * sin`` on
+    [b, h, s, head_dim] with ``rotate_half`` written with ``chunk`` / ``cat`` and the
+    cos/sin tables indexed by position. ``complex_form=True``: llama's form on
+    [b, s, h, head_dim], ``view_as_complex`` times a complex ``freqs_cis`` table
+    broadcast over heads, then ``view_as_real(...).flatten(3)``.
+    """
+
+    def __init__(self, dim: int = 16, n_heads: int = 4, max_seq_len: int = 8, complex_form: bool = False):
+        super().__init__()
+        self.n_heads, self.head_dim, self.complex_form = n_heads, dim // n_heads, complex_form
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim))
+        angles = torch.outer(torch.arange(max_seq_len).float(), inv_freq)  # [max_seq_len, head_dim / 2]
+        if complex_form:
+            self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        else:
+            emb = torch.cat((angles, angles), dim=-1)
+            self.register_buffer("cos", emb.cos(), persistent=False)
+            self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @staticmethod
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def complex_rotary(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, s = x.shape[:2]
+        xc = torch.view_as_complex(x.float().reshape(b, s, self.n_heads, -1, 2))
+        return torch.view_as_real(xc * freqs_cis).flatten(3).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, s, self.n_heads, self.head_dim)
+        v = self.wv(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
+        pos = torch.arange(s, device=x.device)
+        if self.complex_form:
+            freqs_cis = self.freqs_cis[pos].view(1, s, 1, self.head_dim // 2)
+            q = self.complex_rotary(q, freqs_cis).transpose(1, 2)
+            k = self.complex_rotary(k, freqs_cis).transpose(1, 2)
+        else:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            cos, sin = self.cos[pos], self.sin[pos]
+            q = q * cos + self.rotate_half(q) * sin
+            k = k * cos + self.rotate_half(k) * sin
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
+
+
+def rotary_attention(complex_form: bool = False):
+    return seeded(RotaryAttention, 16, 4, 8, complex_form)
