@@ -25,7 +25,7 @@ from graphshard import _compat
 from graphshard.ops import ops
 from graphshard.params import AxisGroup, ParamInfo, chunk_size, register
 from graphshard.plan import FullyShard, Plan, resolve
-from graphshard.styles import Layout, ModuleIO, layout_steps, placement_str
+from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
 _STATES: "weakref.WeakValueDictionary[int, ShardedState]" = weakref.WeakValueDictionary()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 

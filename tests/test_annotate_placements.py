@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from _golden import graph_after
 from _models import attention, mlp, rotary_attention, tp_attention_plan, tp_mlp_plan
 from graphshard.passes import _rules
-from graphshard.passes._graph import tensor_args
+from graphshard.passes._graph import fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
 
 aten = torch.ops.aten
@@ -26,13 +26,7 @@ def T(*shape, dtype=torch.float32) -> torch.Tensor:
 def fmt(p) -> str:
     if isinstance(p, (list, tuple)):
         return "(" + ", ".join(fmt(q) for q in p) + ")"
-    if isinstance(p, StridedShard):
-        return f"S({p.dim}/{p.split_factor})"
-    if isinstance(p, Shard):
-        return f"S({p.dim})"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    return "R"
+    return fmt_placement(p)
 
 
 def op_node(op, *args, **kwargs) -> fx.Node:
