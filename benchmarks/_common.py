@@ -4,7 +4,7 @@ Two halves, used by different processes:
 
 * Worker side (inside a ``torchrun`` process): `init_dist`, `time_steps`,
   `peak_live_bytes`, `live_tensor_bytes`, `peak_rss_mib`, `dynamo_counts`,
-  `gather_to_rank0`, `progress`.
+  `count_collectives`, `gather_to_rank0`, `progress`.
 * Driver side (the plain ``python`` process that launches one ``torchrun`` per
   run, see ``_launch.py``): `median`, `paired_ratio`, `markdown_table`, `fmt`,
   `plot_lines`.
@@ -217,6 +217,132 @@ def graph_break_reasons(limit: int = 5) -> list[str]:
     except Exception:
         return []
     return [f"{n}x {r[:200]}" for r, n in counters["graph_break"].most_common(limit)]
+
+
+# Collective ops by kind. Namespaces: ``_c10d_functional`` (DTensor, funcol, Inductor-generated code),
+# ``_c10d_functional_autograd`` (autograd-aware funcol) and ``c10d`` (ProcessGroup methods, which
+# torch.distributed's Python API and FSDP2 call; ProcessGroup routes them through these dispatcher ops).
+COLLECTIVE_KINDS = {
+    "all_reduce": ("all_reduce", "all_reduce_", "all_reduce_coalesced", "all_reduce_coalesced_",
+                   "allreduce_", "allreduce_coalesced_"),
+    "all_gather": ("all_gather_into_tensor", "all_gather_into_tensor_out", "all_gather_into_tensor_coalesced",
+                   "_allgather_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_"),
+    "reduce_scatter": ("reduce_scatter_tensor", "reduce_scatter_tensor_out", "reduce_scatter_tensor_coalesced",
+                       "_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"),
+    "all_to_all": ("all_to_all_single", "alltoall_", "alltoall_base_"),
+    "broadcast": ("broadcast", "broadcast_"),
+    "reduce": ("reduce_",),
+    "gather": ("gather_",),
+    "scatter": ("scatter_",),
+    "send": ("send", "isend", "batch_p2p_ops"),
+}
+_OP_KIND = {op: kind for kind, ops in COLLECTIVE_KINDS.items() for op in ops}
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
+
+
+def _tensor_bytes(x: Any) -> int:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+def _collective_counter_cls():
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CollectiveCounter(TorchDispatchMode):
+        """Bytes and calls of every collective op dispatched while active, by kind.
+
+        ``in_bytes`` are the bytes of the op's input tensors on this rank (the
+        local shard for an all-gather, the full buffer for an all-reduce or a
+        reduce-scatter), ``out_bytes`` those of its outputs. Ops that only wait
+        or receive (``wait_tensor``, ``recv_``, barriers) are not counted.
+
+        ``ignore_compile_internals`` is True so that code compiled by
+        ``torch.compile`` still runs compiled under the mode (dynamo skips frames
+        under other modes and the step would run eagerly); Inductor's generated
+        wrapper calls ``torch.ops._c10d_functional.*``, which the mode sees.
+        Ops on tensor subclasses (DTensor) are handed back to the subclass
+        (``NotImplemented``), which then runs under the mode: the funcol ops it
+        issues on its local tensors (redistributions, loss_parallel's
+        all-reduces) are seen.
+        """
+
+        @classmethod
+        def ignore_compile_internals(cls) -> bool:
+            return True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.by_kind: dict[str, dict[str, int]] = {}
+            self.ops: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if any(t is not torch.Tensor for t in types):
+                # A tensor subclass (DTensor, funcol's AsyncCollectiveTensor): let it dispatch with this
+                # mode still active, so the collectives it issues on its local tensors are seen. (Calling
+                # ``func`` here would run the subclass with the mode popped: DTensor's in-op
+                # redistributions and loss_parallel's all-reduces would be missed.)
+                return NotImplemented
+            out = func(*args, **kwargs)
+            kind = _OP_KIND.get(func._schema.name.split("::")[-1]) if func.namespace in COLLECTIVE_NAMESPACES else None
+            if kind is not None:
+                in_b = out_b = 0
+                named = list(zip((a.name for a in func._schema.arguments), args)) + list(kwargs.items())
+                for name, val in named:
+                    if name.startswith("output") or name in ("out", "outputs"):
+                        out_b += _tensor_bytes(val)
+                    else:
+                        in_b += _tensor_bytes(val)
+                if func.namespace != "c10d":  # funcol: the result is the output
+                    out_b = out_b or _tensor_bytes(out)
+                elif kind in ("all_reduce", "broadcast"):  # in-place: the buffer is the output
+                    out_b = in_b
+                rec = self.by_kind.setdefault(kind, {"calls": 0, "in_bytes": 0, "out_bytes": 0})
+                rec["calls"] += 1
+                rec["in_bytes"] += in_b
+                rec["out_bytes"] += out_b
+                self.ops[str(func)] = self.ops.get(str(func), 0) + 1
+            return out
+
+        @property
+        def total_in_bytes(self) -> int:
+            return sum(r["in_bytes"] for r in self.by_kind.values())
+
+        @property
+        def total_calls(self) -> int:
+            return sum(r["calls"] for r in self.by_kind.values())
+
+    return CollectiveCounter
+
+
+def count_collectives(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``fn`` (one training step) counting the collectives this rank issues.
+
+    Returns ``{"by_kind": {kind: {calls, in_bytes, out_bytes}}, "in_bytes", "calls",
+    "ops": {op: calls}, "backend_calls": {event: calls}}``. The step runs under a
+    `TorchDispatchMode` (see ``CollectiveCounter``) and, as a cross-check, under the
+    profiler: ``backend_calls`` counts the process-group backend's own events
+    (``gloo:all_reduce``, ``nccl:...``), one per collective whichever layer issued
+    it, so a collective the mode missed shows as a difference in call counts.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    counter = _collective_counter_cls()()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with counter:
+            fn()
+    backend: dict[str, int] = {}
+    for e in prof.events():
+        if e.name.startswith(("gloo:", "nccl:")) and "barrier" not in e.name:
+            backend[e.name] = backend.get(e.name, 0) + 1
+    return {"by_kind": counter.by_kind, "in_bytes": counter.total_in_bytes, "calls": counter.total_calls,
+            "ops": counter.ops, "backend_calls": backend}
 
 
 def gather_to_rank0(obj: Any) -> list[Any] | None:
