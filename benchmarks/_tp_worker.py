@@ -19,7 +19,8 @@ Variants (see `VARIANTS`):
 * ``graphshard_tp``             ``graphshard.tensor_parallel.parallelize_module(model, mesh, plan)``.
 * ``torch_fsdp_tp``             torch ``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard``
                                 on every block and the root on ``mesh["dp"]``; eager.
-* ``torch_fsdp_tp_compile``     as ``torch_fsdp_tp``, then ``torch.compile(model)`` (not in the defaults).
+* ``torch_fsdp_tp_compile``     as ``torch_fsdp_tp`` with ``block.compile()`` on every block before
+                                ``fully_shard`` (torchtitan's recipe; not in the defaults).
 * ``graphshard_fsdp_tp``        ``graphshard.compile(model, Plan(mesh, {**tp_plan, "layers.*": FullyShard(),
                                 "": FullyShard()}))`` with graphshard's styles.
 
@@ -115,15 +116,19 @@ def build_torch_tp(model, mesh, args, *, compile=False) -> StepFn:
 
 
 def build_torch_fsdp_tp(model, mesh, args, *, compile=False) -> StepFn:
+    """TP on ``mesh["tp"]``, then FSDP2 on ``mesh["dp"]`` per block and root. ``compile``: each block is
+    compiled between the two (torchtitan's recipe); ``torch.compile`` of the whole FSDP2 + TP root fails in
+    torch 2.13 on CPU ("Mixing fake modes NYI" in the embedding)."""
     import torch.distributed.tensor.parallel as tp
     from torch.distributed.fsdp import fully_shard
 
     tp.parallelize_module(model, mesh["tp"], tp_plan(tp, args.loss_parallel))
     for block in model.layers:
+        if compile:
+            block.compile()
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    module = torch.compile(model) if compile else model
-    return _make_step(module, model.parameters(), args.lr, _torch_loss_ctx(args))
+    return _make_step(model, model.parameters(), args.lr, _torch_loss_ctx(args))
 
 
 def _import_graphshard_tp():

@@ -304,7 +304,7 @@ def ratio_cell(records, part: str, subject: str, peer: str, key: str, reps: int,
         return "n/a" + (f" (target <= {target:.2f})" if target else ""), None
     if target is None:
         return f"{ratio:.2f}", ratio
-    return f"{ratio:.2f} (target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'})", ratio
+    return f"{ratio:.3f} (target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'})", ratio
 
 
 def ratio_table(records, part: str, subject: str, variants, reps: int) -> tuple[str, dict]:
@@ -414,6 +414,7 @@ def main(argv=None) -> int:
     text, summary = report(args, records, hw)
     print("\n" + text)
     name = out_name(args)
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
         f.write(text)
     if not from_json:
