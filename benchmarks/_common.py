@@ -29,8 +29,38 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 PROGRESS_TAG = "@@progress"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------- worker side
+
+
+class Unavailable(Exception):
+    """The variant cannot run in this environment (reported, not an error)."""
+
+
+def run_worker(run: Callable[[Any, "DistCtx"], dict | None], args, ctx: "DistCtx", base: dict) -> int:
+    """Runs one variant and writes its JSON on rank 0 (``status`` unavailable / error on failure);
+    returns the process exit code."""
+    import traceback
+
+    import torch.distributed as dist
+
+    rc = 0
+    try:
+        res = run(args, ctx)
+        if res is not None:
+            write_json(args.out, {**base, **res})
+    except Unavailable as e:  # raised identically on every rank, before any collective of the step
+        if ctx.rank == 0:
+            write_json(args.out, {**base, "status": "unavailable", "reason": str(e)})
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        if ctx.rank == 0:
+            write_json(args.out, {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"[:2000]})
+        rc = 1
+    if rc == 0:
+        dist.destroy_process_group()
+    return rc
 
 
 @dataclass
@@ -428,3 +458,46 @@ def plot_lines(
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+def add_runner_args(p, saved_json: str) -> None:
+    """The driver options every benchmark shares: caching, contention handling, timeouts, output."""
+    p.add_argument("--warm-cache", action="store_true",
+                   help="share Inductor/Triton caches between runs (default: a cold cache per run)")
+    p.add_argument("--idle-wait", type=float, default=60.0,
+                   help="before each run, wait up to this many seconds for the machine to be idle (0: off)")
+    p.add_argument("--max-other-cpu", type=float, default=15.0,
+                   help="repeat a run during which other jobs used more than this %% of the machine")
+    p.add_argument("--retries", type=int, default=2, help="at most this many repeats of a contended run")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
+    p.add_argument("--out-dir", default=os.path.join(REPO, "bench_out"))
+    p.add_argument("--from-json", default=None, metavar="PATH",
+                   help=f"no runs: re-print the report of a saved {saved_json}")
+
+
+def contended(rec: dict, args) -> bool:
+    return rec.get("status") == "ok" and (rec.get("other_cpu_pct") or 0) > args.max_other_cpu
+
+
+def least_contended(attempts: list[dict], earlier: list | None = None) -> dict:
+    """The successful attempt with the least foreign CPU load; records every attempt's load."""
+    best = min(attempts, key=lambda r: (r["status"] != "ok", r.get("other_cpu_pct") or 0))
+    loads = (earlier or []) + [r.get("other_cpu_pct") for r in attempts[1 if earlier else 0:]]
+    return {**best, "attempts_other_cpu_pct": loads}
+
+
+def git_revision() -> str:
+    """HEAD of the checkout being measured, '+dirty' when graphshard/ or passes/ have local changes."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphshard", "passes", "kernels"],
+                               cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

@@ -24,11 +24,9 @@ import argparse
 import os
 import sys
 import time
-import traceback
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,9 +36,6 @@ from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-
-class Unavailable(Exception):
-    """The variant cannot run in this environment (reported, not an error)."""
 
 
 def _make_step(module: Callable, params, lr: float) -> StepFn:
@@ -88,10 +83,10 @@ def build_graphshard(model, mesh, lr) -> StepFn:
     try:
         import graphshard
     except Exception as e:  # noqa: BLE001
-        raise Unavailable(f"import graphshard failed: {e!r}") from e
+        raise C.Unavailable(f"import graphshard failed: {e!r}") from e
     missing = [n for n in ("compile", "Plan", "FullyShard") if not hasattr(graphshard, n)]
     if missing:
-        raise Unavailable(f"graphshard has no {', '.join(missing)} yet")
+        raise C.Unavailable(f"graphshard has no {', '.join(missing)} yet")
     plan = graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
     compiled = graphshard.compile(model, plan)
     params = compiled.parameters() if hasattr(compiled, "parameters") else model.parameters()
@@ -186,22 +181,7 @@ def main(argv=None) -> int:
         "warmup": args.warmup, "steps": args.steps, "device": str(ctx.device), "backend": ctx.backend,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
-    rc = 0
-    try:
-        res = run(args, ctx)
-        if res is not None:
-            C.write_json(args.out, {**base, **res})
-    except Unavailable as e:  # raised identically on every rank, before any collective
-        if ctx.rank == 0:
-            C.write_json(args.out, {**base, "status": "unavailable", "reason": str(e)})
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        if ctx.rank == 0:
-            C.write_json(args.out, {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"[:2000]})
-        rc = 1
-    if rc == 0:
-        dist.destroy_process_group()
-    return rc
+    return C.run_worker(run, args, ctx, base)
 
 
 if __name__ == "__main__":

@@ -42,11 +42,9 @@ import contextlib
 import os
 import sys
 import time
-import traceback
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -56,9 +54,6 @@ from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, t
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-
-class Unavailable(Exception):
-    """The variant cannot run in this environment (reported, not an error)."""
 
 
 def tp_plan(styles: Any, loss_parallel: bool) -> dict[str, Any]:
@@ -135,11 +130,11 @@ def _import_graphshard_tp():
     try:
         import graphshard.tensor_parallel as gtp
     except Exception as e:  # noqa: BLE001
-        raise Unavailable(f"import graphshard.tensor_parallel failed: {type(e).__name__}: {e}") from e
+        raise C.Unavailable(f"import graphshard.tensor_parallel failed: {type(e).__name__}: {e}") from e
     need = ["parallelize_module", "ColwiseParallel", "RowwiseParallel"]
     missing = [n for n in need if not hasattr(gtp, n)]
     if missing:
-        raise Unavailable(f"graphshard.tensor_parallel has no {', '.join(missing)} yet")
+        raise C.Unavailable(f"graphshard.tensor_parallel has no {', '.join(missing)} yet")
     return gtp
 
 
@@ -147,7 +142,7 @@ def _graphshard_loss_ctx(gtp, args) -> Callable[[], Any]:
     if not args.loss_parallel:
         return contextlib.nullcontext
     if not hasattr(gtp, "loss_parallel"):
-        raise Unavailable("graphshard.tensor_parallel has no loss_parallel yet")
+        raise C.Unavailable("graphshard.tensor_parallel has no loss_parallel yet")
     return gtp.loss_parallel
 
 
@@ -168,7 +163,7 @@ def build_graphshard_fsdp_tp(model, mesh, args) -> StepFn:
 
     missing = [n for n in ("compile", "Plan", "FullyShard") if not hasattr(graphshard, n)]
     if missing:
-        raise Unavailable(f"graphshard has no {', '.join(missing)} yet")
+        raise C.Unavailable(f"graphshard has no {', '.join(missing)} yet")
     loss_ctx = _graphshard_loss_ctx(gtp, args)
     rules = {**tp_plan(gtp, args.loss_parallel), "layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()}
     compiled = graphshard.compile(model, graphshard.Plan(mesh, rules))
@@ -293,22 +288,7 @@ def main(argv=None) -> int:
         "device": str(ctx.device), "backend": ctx.backend, "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    rc = 0
-    try:
-        res = run(args, ctx)
-        if res is not None:
-            C.write_json(args.out, {**base, **res})
-    except Unavailable as e:  # raised identically on every rank, before any collective of the step
-        if ctx.rank == 0:
-            C.write_json(args.out, {**base, "status": "unavailable", "reason": str(e)})
-    except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        if ctx.rank == 0:
-            C.write_json(args.out, {**base, "status": "error", "reason": f"{type(e).__name__}: {e}"[:2000]})
-        rc = 1
-    if rc == 0:
-        dist.destroy_process_group()
-    return rc
+    return C.run_worker(run, args, ctx, base)
 
 
 if __name__ == "__main__":

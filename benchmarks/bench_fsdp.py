@@ -25,7 +25,6 @@ import _launch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fsdp_worker.py")
-REPO = os.path.dirname(HERE)
 
 COMPILE_PEERS = ("fsdp2_compile_root", "fsdp2_compile_blocks")
 DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1")
@@ -69,17 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: OMP_NUM_THREADS per rank, also for world-1 runs (default cores // nproc)")
-    p.add_argument("--warm-cache", action="store_true",
-                   help="share Inductor/Triton caches between runs (default: a cold cache per run)")
-    p.add_argument("--idle-wait", type=float, default=60.0,
-                   help="before each run, wait up to this many seconds for the machine to be idle (0: off)")
-    p.add_argument("--max-other-cpu", type=float, default=15.0,
-                   help="repeat a run during which other jobs used more than this %% of the machine")
-    p.add_argument("--retries", type=int, default=2, help="at most this many repeats of a contended run")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run before it is killed")
-    p.add_argument("--out-dir", default=os.path.join(REPO, "bench_out"))
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="no runs: re-print the report of a saved fsdp.json / fsdp_sweep.json")
+    C.add_runner_args(p, "fsdp.json / fsdp_sweep.json")
     a = p.parse_args(argv)
     a.reps = a.reps or (1 if a.quick else 2)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
@@ -167,7 +156,7 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
             attempts.append(res)
             if res["status"] != "ok" or (res["other_cpu_pct"] or 0) <= args.max_other_cpu:
                 break
-        best = _least_contended(attempts)
+        best = C.least_contended(attempts)
         if best["status"] == "unavailable":
             unavailable[base] = best.get("reason", "")
         records.append(best)
@@ -175,23 +164,14 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
     outer.close()
     # Make-up pass: runs still contended after their retries get one more try at the end.
     for i, rec in enumerate(records):
-        if args.retries and _contended(rec, args):
+        if args.retries and C.contended(rec, args):
             again = run_one(args, rec["variant"], rec["layers"], rec["rep"], nproc, env,
                             len(rec["attempts_other_cpu_pct"]))
             print(again.pop("_msg"), flush=True)
-            records[i] = _least_contended([rec, again], rec["attempts_other_cpu_pct"])
+            records[i] = C.least_contended([rec, again], rec["attempts_other_cpu_pct"])
     return records
 
 
-def _contended(rec: dict, args) -> bool:
-    return rec.get("status") == "ok" and (rec.get("other_cpu_pct") or 0) > args.max_other_cpu
-
-
-def _least_contended(attempts: list[dict], earlier: list | None = None) -> dict:
-    """The successful attempt with the least foreign CPU load; records every attempt's load."""
-    best = min(attempts, key=lambda r: (r["status"] != "ok", r.get("other_cpu_pct") or 0))
-    loads = (earlier or []) + [r.get("other_cpu_pct") for r in attempts[1 if earlier else 0:]]
-    return {**best, "attempts_other_cpu_pct": loads}
 
 
 # --------------------------------------------------------------------------- summaries
@@ -321,18 +301,6 @@ def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
     return text, name, extra
 
 
-def git_revision() -> str:
-    """HEAD of the checkout being measured, '+dirty' when graphshard/ or passes/ have local changes."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "graphshard", "passes", "kernels"],
-                               cwd=REPO, capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
@@ -348,7 +316,7 @@ def main(argv=None) -> int:
         records, hw = saved["runs"], saved["hardware"]
     else:
         nproc, env, hw = device_setup(args)
-        hw += f"; graphshard @ {git_revision()}"
+        hw += f"; graphshard @ {C.git_revision()}"
         os.makedirs(args.out_dir, exist_ok=True)
         print(f"# FSDP benchmark: {hw}")
         records = run_all(args, nproc, env)
