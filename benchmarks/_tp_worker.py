@@ -126,48 +126,28 @@ def build_torch_fsdp_tp(model, mesh, args, *, compile=False) -> StepFn:
     return _make_step(model, model.parameters(), args.lr, _torch_loss_ctx(args))
 
 
-def _import_graphshard_tp():
+def _import_graphshard():
     try:
+        import graphshard
         import graphshard.tensor_parallel as gtp
     except Exception as e:  # noqa: BLE001
-        raise C.Unavailable(f"import graphshard.tensor_parallel failed: {type(e).__name__}: {e}") from e
-    need = ["parallelize_module", "ColwiseParallel", "RowwiseParallel"]
-    missing = [n for n in need if not hasattr(gtp, n)]
-    if missing:
-        raise C.Unavailable(f"graphshard.tensor_parallel has no {', '.join(missing)} yet")
-    return gtp
-
-
-def _graphshard_loss_ctx(gtp, args) -> Callable[[], Any]:
-    if not args.loss_parallel:
-        return contextlib.nullcontext
-    if not hasattr(gtp, "loss_parallel"):
-        raise C.Unavailable("graphshard.tensor_parallel has no loss_parallel yet")
-    return gtp.loss_parallel
-
-
-def _params_of(compiled, model):
-    return compiled.parameters() if hasattr(compiled, "parameters") else model.parameters()
+        raise C.Unavailable(f"import graphshard failed: {type(e).__name__}: {e}") from e
+    return graphshard, gtp
 
 
 def build_graphshard_tp(model, mesh, args) -> StepFn:
-    gtp = _import_graphshard_tp()
-    loss_ctx = _graphshard_loss_ctx(gtp, args)
-    compiled = gtp.parallelize_module(model, mesh, tp_plan(gtp, args.loss_parallel))
-    return _make_step(compiled, _params_of(compiled, model), args.lr, loss_ctx)
+    _, gtp = _import_graphshard()
+    loss_ctx = gtp.loss_parallel if args.loss_parallel else contextlib.nullcontext
+    gtp.parallelize_module(model, mesh, tp_plan(gtp, args.loss_parallel))
+    return _make_step(model, model.parameters(), args.lr, loss_ctx)
 
 
 def build_graphshard_fsdp_tp(model, mesh, args) -> StepFn:
-    gtp = _import_graphshard_tp()
-    import graphshard
-
-    missing = [n for n in ("compile", "Plan", "FullyShard") if not hasattr(graphshard, n)]
-    if missing:
-        raise C.Unavailable(f"graphshard has no {', '.join(missing)} yet")
-    loss_ctx = _graphshard_loss_ctx(gtp, args)
+    graphshard, gtp = _import_graphshard()
+    loss_ctx = gtp.loss_parallel if args.loss_parallel else contextlib.nullcontext
     rules = {**tp_plan(gtp, args.loss_parallel), "layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()}
-    compiled = graphshard.compile(model, graphshard.Plan(mesh, rules))
-    return _make_step(compiled, _params_of(compiled, model), args.lr, loss_ctx)
+    graphshard.compile(model, graphshard.Plan(mesh, rules))
+    return _make_step(model, model.parameters(), args.lr, loss_ctx)
 
 
 VARIANTS: dict[str, Callable[..., StepFn]] = {

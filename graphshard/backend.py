@@ -84,15 +84,11 @@ def _dtensor_outputs(gm: fx.GraphModule, ctx: PassContext) -> dict:
                 f"graph output {i} is sharded over several model-parallel axes {axes} with use_local_output=False; "
                 "graphshard returns DTensor outputs over one axis: set use_local_output=True there"
             )
-        logical = out_node.args[0][i].meta.get("logical_shape")
-        wraps[i] = functools.partial(_as_dtensor, mesh=ctx.meshes[axes[0]], placements=[placements[axes[0]]],
-                                     shape=logical)
+        shape = out_node.args[0][i].meta["logical_shape"]
+        stride = torch.empty(shape, device="meta").stride()
+        wraps[i] = functools.partial(DTensor.from_local, device_mesh=ctx.meshes[axes[0]],
+                                     placements=[placements[axes[0]]], run_check=False, shape=shape, stride=stride)
     return wraps
-
-
-def _as_dtensor(local: torch.Tensor, *, mesh, placements, shape) -> DTensor:
-    stride = torch.empty(shape, device="meta").stride() if shape is not None else None
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 @dataclass

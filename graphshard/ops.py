@@ -66,7 +66,8 @@ def _gather_dim(x: torch.Tensor, dim: int, size: int, group: str, world: int) ->
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
-def _local_chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+def local_chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
+    """``rank``'s piece of ``x`` along ``dim`` in torch.chunk layout (a view)."""
     dim = dim % x.dim()
     n = x.shape[dim]
     c = -(-n // world)
@@ -239,7 +240,7 @@ def _param_backward(ctx, grad):
     info = lookup(ctx.key)
     for axis, pl in reversed(info.model_parallel):
         if pl.is_shard():  # eager computes replicated: every rank holds the full gradient
-            grad = _local_chunk(grad, pl.dim, axis.world, axis.rank)
+            grad = local_chunk(grad, pl.dim, axis.world, axis.rank)
     return reduce_grads([grad], [info])[0], None, None
 
 
@@ -312,7 +313,7 @@ def _reduce_scatter_decomp(x, dim, group, world, rank):
 
 
 def _shard_decomp(x, dim, group, world, rank):
-    return _local_chunk(x, dim, world, rank).contiguous()
+    return local_chunk(x, dim, world, rank).contiguous()
 
 
 def _grad_all_reduce_decomp(x, group, world):
@@ -369,7 +370,7 @@ def _bw_all_reduce(ctx, g):  # Partial -> Replicate: the gradient of a replicate
 
 def _bw_all_gather(ctx, g):  # Shard -> Replicate: every rank's gradient is whole; keep our chunk
     dim, size, group, world, rank = ctx.args
-    return _local_chunk(g, dim, world, rank), None, None, None, None, None
+    return local_chunk(g, dim, world, rank), None, None, None, None, None
 
 
 def _bw_all_gather_partial_grad(ctx, g):  # every use of the gathered value is sharded compute: partial grads

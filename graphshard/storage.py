@@ -22,8 +22,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from graphshard import _compat
-from graphshard.ops import ops
-from graphshard.params import AxisGroup, ParamInfo, chunk_size, register
+from graphshard.ops import local_chunk, ops
+from graphshard.params import AxisGroup, ParamInfo, register
 from graphshard.plan import FullyShard, Plan, resolve
 from graphshard.styles import ModuleIO, layout_steps, placement_str
 
@@ -160,17 +160,13 @@ def _distribute(p: torch.Tensor, info: ParamInfo, plan: Plan) -> DTensor:
     local = p
     for axis, pl in info.model_parallel:
         if isinstance(pl, Shard):
-            local = _chunk(local, pl.dim, axis.world, axis.rank)
-    local = _chunk(local, 0, info.shard.world, info.shard.rank).contiguous()
+            local = local_chunk(local, pl.dim, axis.world, axis.rank)
+    local = local_chunk(local, 0, info.shard.world, info.shard.rank).contiguous()
     dp_index = plan.axis_names.index(info.shard.name)
     mp_world = math.prod(axis.world for axis, pl in info.model_parallel if pl == Shard(0))
     placements[dp_index] = _compat.strided_shard(0, mp_world)
     return DTensor.from_local(local, plan.mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
 
-
-def _chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
-    c = -(-x.shape[dim] // world)
-    return x.narrow(dim, min(c * rank, x.shape[dim]), chunk_size(x.shape[dim], world, rank))
 
 
 class _BoundIO:

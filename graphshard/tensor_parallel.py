@@ -12,18 +12,14 @@ specs, so tensor parallelism on a ``"tp"`` mesh axis combines with
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 from typing import Mapping
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from graphshard import _compat
-from graphshard.backend import graphshard_backend
-from graphshard.config import CompileConfig
+from graphshard import _compat, api
 from graphshard.plan import Plan
-from graphshard.storage import shard
 from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -70,9 +66,7 @@ def parallelize_module(
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle):
             raise ValueError(f"parallelize_plan[{key!r}] is {style!r}; expected a ParallelStyle such as ColwiseParallel()")
-    shard(module, Plan(device_mesh, dict(parallelize_plan)))
-    module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
-    return module
+    return api.compile(module, Plan(device_mesh, dict(parallelize_plan)))
 
 
 @contextlib.contextmanager

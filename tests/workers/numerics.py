@@ -15,7 +15,6 @@ the whole global batch. Rank 0 prints one JSON line per case.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 
 import torch
@@ -24,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import graphshard
+from _runner import run_cases
 from graphshard.testing.models import MLP, SharedBlockMLP, Transformer, TransformerConfig, lm_loss, token_batch
 
 STEPS = 5
@@ -126,15 +126,7 @@ def run_case(case: str) -> dict:
     }
 
 
-def main(cases: list[str]) -> None:
-    dist.init_process_group("gloo")
-    for case in cases:
-        result = run_case(case)
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cases(sys.argv[1:], run_case)

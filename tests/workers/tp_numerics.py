@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import sys
 
 import torch
@@ -36,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import graphshard
+from _runner import run_cases
 from graphshard import tensor_parallel as gtp
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
@@ -188,15 +188,11 @@ def torch_comparison(plan_name: str) -> dict:
     }
 
 
-def main(cases: list[str]) -> None:
-    dist.init_process_group("gloo")
-    for case in cases:
-        result = torch_comparison(case.split(":", 1)[1]) if case.startswith("torch_tp:") else run_case(case)
-        if dist.get_rank() == 0:
-            print("RESULT " + json.dumps(result), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+
+
+def run(case: str) -> dict:
+    return torch_comparison(case.split(":", 1)[1]) if case.startswith("torch_tp:") else run_case(case)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cases(sys.argv[1:], run)
