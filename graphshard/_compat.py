@@ -53,6 +53,44 @@ def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs, *, is_backw
     return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
+def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool) -> Callable:
+    """Inductor's compiler for one region of a forward or backward graph, inside aot_autograd's
+    compiler call: the region's output strides are kept out of the strides aot_autograd
+    records for the whole graph (``report_output_strides`` reports those)."""
+    from torch._guards import TracingContext
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with TracingContext.report_output_strides():
+        return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def report_output_strides(gm: torch.fx.GraphModule) -> None:
+    """Tells aot_autograd the strides of a graph lowered in pieces, as Inductor reports them
+    for a graph it compiled whole (aot_autograd restrides saved activations with them)."""
+    from torch._guards import TracingContext
+
+    tc = TracingContext.try_get()
+    if tc is None or tc.output_strides is None:
+        return
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for v in out.args[0]:
+        val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
+        tc.output_strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
+
+
+def is_concrete_int(x) -> bool:
+    """An int, or a SymInt whose value is a known constant (DTensor local sizes under fake mode)."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int as concrete
+
+    return concrete(x)
+
+
+def inductor_fx_graph_cache_enabled() -> bool:
+    from torch._inductor import config
+
+    return bool(config.fx_graph_cache)
+
+
 def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
     from torch._inductor import config
 

@@ -20,6 +20,7 @@ def compile(
     *,
     lower: Literal["inductor", "eager"] = "inductor",
     limit_all_gathers: int = 2,
+    regional: bool = True,
     strict: bool = False,
     dump_graphs: str | None = None,
 ) -> nn.Module:
@@ -28,7 +29,8 @@ def compile(
     The module keeps its FQNs (no wrapper prefix); its parameters are sharded
     DTensors; the first call traces and compiles forward and backward.
     """
-    config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, strict=strict, dump_graphs=dump_graphs)
+    config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, regional=regional, strict=strict,
+                           dump_graphs=dump_graphs)
     if state_of(model) is None:
         shard(model, plan)
     elif state_of(model).plan is not plan:

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from graphshard import _compat
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute
+from graphshard.lowering import is_static, lower_regions
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
@@ -194,8 +195,17 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             g = run_passes(g, ctx, post_partition_passes())
             if ctx.config.lower == "eager":
                 compiled = _compat.boxed_nop(g, inputs)
+            elif ctx.config.regional and is_static(g):
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
+                    compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
+                                                            share=_shared_compile(ctx.config.share_compile))
+                ctx.report.lowered_order[stage] = order
+                ctx.report.regions[stage] = counts
+                if ctx.config.dump_graphs:
+                    with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
+                        f.write(compiled.describe() + "\n")
             else:
-                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.stagger_compile):
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.share_compile):
                     compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
                 _record_lowered(compiled, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
@@ -228,14 +238,41 @@ def _record_lowered(compiled, stage: str, ctx: PassContext) -> None:
             f.write(source)
 
 
+def _local_ranks() -> tuple[int, int] | None:
+    """(local rank, local world size) when several ranks of a real process group share this
+    machine (and so its on-disk Inductor cache); None otherwise."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if local_world == 1:
+        return None
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank())), local_world
+
+
+def _shared_compile(enabled: bool):
+    """Regional lowering's division of work: local rank r compiles the distinct regions
+    r, r + n, r + 2n, ... into the shared on-disk cache; after a barrier every rank loads
+    the others' regions from it. Every rank passes exactly one barrier per graph."""
+    local = _local_ranks() if enabled and _compat.inductor_fx_graph_cache_enabled() else None
+    if local is None:
+        return None
+    rank, n = local
+
+    def share(keys: list) -> tuple[list, callable]:
+        return keys[rank::n], dist.barrier
+
+    return share
+
+
 @contextlib.contextmanager
 def _staggered(enabled: bool):
-    """Local rank 0 compiles first; the other local ranks wait at a barrier, then compile with
-    its kernels already in the shared on-disk cache. Every rank passes exactly one barrier."""
-    if not enabled or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+    """Whole-graph lowering: local rank 0 compiles first; the other local ranks wait at a
+    barrier, then compile with its kernels already in the shared on-disk cache."""
+    local = _local_ranks() if enabled else None
+    if local is None:
         yield
         return
-    leader = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    leader = local[0] == 0
     if not leader:
         dist.barrier()
     try:

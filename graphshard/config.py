@@ -13,11 +13,17 @@ class CompileConfig:
     limit_all_gathers: int = 2
     """Units whose all-gathers may be outstanding at once: the unit being computed plus
     ``limit_all_gathers - 1`` prefetched ahead of it (FSDP's ``limit_all_gathers``). 1 disables prefetch."""
+    regional: bool = True
+    """With Inductor: lower each compute region between communication steps on its own and
+    compile each distinct region once (the layers of a model share them), instead of one
+    Inductor compile of the whole graph. Compile time then grows with the number of
+    distinct layers, not with depth (``graphshard.lowering``)."""
     strict: bool = False
     """Make a missing placement rule an error (naming the op and node) instead of a logged fallback."""
-    stagger_compile: bool = True
-    """Lower on each node's local rank 0 first while the other local ranks wait, then let them
-    reuse its on-disk Inductor cache, instead of every rank compiling the same kernels at once."""
+    share_compile: bool = True
+    """Ranks on one machine share the Inductor work through its on-disk cache instead of each
+    compiling the same kernels: with ``regional`` lowering each local rank compiles a share of
+    the distinct regions, then loads the others'; without, local rank 0 compiles first."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

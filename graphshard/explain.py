@@ -21,6 +21,7 @@ class GraphReport:
     units: dict[str, list[str]] = field(default_factory=dict)        # unit -> parameter FQNs
     order: dict[str, list[str]] = field(default_factory=dict)        # stage -> collective/compute order
     lowered_order: dict[str, list[str]] = field(default_factory=dict)  # stage -> order in generated code
+    regions: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> regional lowering counts
     fallbacks: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
@@ -43,6 +44,9 @@ class GraphReport:
             lines.append(f"  order after scheduling ({stage}): {' -> '.join(order)}")
         for stage, order in self.lowered_order.items():
             lines.append(f"  order in lowered code ({stage}): {' -> '.join(order)}")
+        for stage, c in self.regions.items():
+            lines.append(f"  regions ({stage}): {c['regions']}, {c['compiled']} compiled by Inductor, "
+                         f"{c['eager']} views only")
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
         if self.compile_seconds:
             lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))

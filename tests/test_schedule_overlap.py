@@ -147,18 +147,24 @@ class GraphModule(torch.nn.Module):
 
 class TestInductorKeepsTheOrder(TestCase):
     def test_lowered_code_issues_collectives_in_the_scheduled_order(self):
-        # One Inductor compile: the generated `call` must issue the all-gathers, waits and
-        # reduce-scatters in the order schedule_overlap chose, with compute inside the overlap windows.
-        model = stack()
-        graphshard.compile(model, fsdp_plan(), lower="inductor")
-        model(torch.randn(4, 8)).sum().backward()
-        report = model._graphshard.explain[0]
+        # Regional lowering (the default) runs communication between compiled regions in the
+        # scheduled order; whole-graph lowering leaves the order to Inductor's generated `call`,
+        # which must keep it: the all-gathers, waits and reduce-scatters in the order
+        # schedule_overlap chose, with compute inside the overlap windows.
+        for regional in (True, False):
+            with self.subTest(regional=regional):
+                torch._dynamo.reset()
+                model = stack()
+                graphshard.compile(model, fsdp_plan(), lower="inductor", regional=regional)
+                model(torch.randn(4, 8)).sum().backward()
+                report = model._graphshard.explain[0]
+                self.assertEqual(bool(report.regions), regional)
 
-        def collectives(events):
-            return [e.split("(")[0] for e in events if not e.startswith("compute")]
+                def collectives(events):
+                    return [e.split("(")[0] for e in events if not e.startswith("compute")]
 
-        for stage in ("forward", "backward"):
-            self.assertEqual(collectives(report.order[stage]), collectives(report.lowered_order[stage]), stage)
-        fw = report.lowered_order["forward"]
-        # the next unit's all-gather is in flight while this unit computes
-        self.assertEqual(fw[:5], ["all_gather", "wait", "all_gather", "compute", "wait"])
+                for stage in ("forward", "backward"):
+                    self.assertEqual(collectives(report.order[stage]), collectives(report.lowered_order[stage]), stage)
+                fw = report.lowered_order["forward"]
+                # the next unit's all-gather is in flight while this unit computes
+                self.assertEqual(fw[:5], ["all_gather", "wait", "all_gather", "compute", "wait"])

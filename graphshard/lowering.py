@@ -1,0 +1,307 @@
+"""Regional lowering: the scheduled graph runs as a short program of communication
+steps and compute regions, and each distinct compute region is compiled once.
+
+After ``schedule_overlap`` a forward or backward graph alternates between
+communication (all-gathers, waits, reduce-scatters, the pack/unpack copies around
+them) and compute. Compiling the whole graph with Inductor costs time that grows
+with depth: every layer's kernels are generated, and the fusions that cross layer
+boundaries make the layers' kernels differ, so each is compiled by the C++
+compiler again. Here the graph is cut at its communication ops instead:
+
+* a *region* is a maximal run of compute nodes between two communication steps;
+* regions are keyed by their structure and input metadata; the layers of a model
+  give the same few keys, and each key is compiled by Inductor once and reused;
+* a region made only of views and library calls (matmuls, attention), for which
+  Inductor would generate no kernel, runs as plain ATen calls;
+* communication steps run as they would in Inductor's generated code (the same
+  functional-collective calls), in the scheduled order, so the overlap the
+  schedule chose is kept by construction.
+
+Values die at their last use, as in generated code: the runner drops its own
+reference before a step runs, and a compiled region receives its inputs boxed,
+so Inductor frees each one inside the region after its last read.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from graphshard import _compat
+from graphshard.explain import add_compute
+
+COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+_LIBRARY_CALLS = _MATMULS | {
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+}
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "detach", "alias",
+    "squeeze", "unsqueeze", "slice", "select", "as_strided", "split", "split_with_sizes", "unbind",
+})
+
+
+def _aten_name(node: fx.Node) -> str | None:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return None
+
+
+def is_static(gm: fx.GraphModule) -> bool:
+    """Whether every input has static sizes. A region's sizes may depend on symbols that only
+    another region's inputs bind, so graphs with symbolic shapes are lowered whole."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("val")
+        dims = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
+        if not all(_compat.is_concrete_int(d) for d in dims if isinstance(d, (int, torch.SymInt))):
+            return False
+    return True
+
+
+def is_communication(node: fx.Node) -> bool:
+    """Collectives, waits, and the custom copy ops that feed or unpack them."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return is_communication(node.args[0])
+    ns = getattr(node.target, "namespace", None)
+    return ns in COMMUNICATION_NAMESPACES
+
+
+def _needs_codegen(nodes: list[fx.Node]) -> bool:
+    """Whether Inductor would generate a kernel for the region. Views and library calls
+    (matmuls, attention) it would only call as they are: those regions run directly."""
+    return any(n.target is not operator.getitem and _aten_name(n) not in _VIEWS | _LIBRARY_CALLS for n in nodes)
+
+
+@dataclass
+class Region:
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    key: tuple = ()
+
+    @property
+    def matmuls(self) -> int:
+        return sum(_aten_name(n) in _MATMULS for n in self.nodes)
+
+
+def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
+    """The graph as a sequence of communication nodes and compute regions, in graph order
+    (placeholders and the output node excluded)."""
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    steps: list[fx.Node | Region] = []
+    current: list[fx.Node] = []
+    for node in body:
+        if is_communication(node):
+            if current:
+                steps.append(_region(current))
+                current = []
+            steps.append(node)
+        else:
+            current.append(node)
+    if current:
+        steps.append(_region(current))
+    return steps
+
+
+def _region(nodes: list[fx.Node]) -> Region:
+    inside = set(nodes)
+    inputs: dict[fx.Node, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a not in inside:
+                inputs[a] = None
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    return Region(nodes, list(inputs), outputs)
+
+
+def region_module(region: Region) -> fx.GraphModule:
+    """The region as its own graph, with fresh node names, so that two regions of the same
+    structure print the same code (and share an FX graph cache entry across runs)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, inp in enumerate(region.inputs):
+        ph = g.placeholder(f"arg{i}")
+        ph.meta = dict(inp.meta)
+        env[inp] = ph
+    for n in region.nodes:
+        new = g.create_node(n.op, n.target, fx.map_arg(n.args, env.__getitem__),
+                            fx.map_arg(n.kwargs, env.__getitem__))
+        new.meta = {k: v for k, v in n.meta.items() if k in ("val", "tensor_meta", "stack_trace")}
+        env[n] = new
+    g.output(tuple(env[o] for o in region.outputs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def region_key(gm: fx.GraphModule) -> tuple:
+    """Structure and input metadata: equal keys compute the same function of the same kinds of inputs."""
+    metas = []
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("val")
+        metas.append((tuple(map(int, v.shape)), tuple(map(int, v.stride())), v.dtype, str(v.device))
+                     if isinstance(v, torch.Tensor) else repr(v))
+    return (gm.code, tuple(metas))
+
+
+class RegionalProgram:
+    """A boxed callable (``fn(args: list)``) that runs the steps of a lowered graph."""
+
+    _boxed_call = True  # aot_autograd's calling convention: one list of inputs, cleared by the callee
+
+    def __init__(self, graph: fx.Graph, steps: list[fx.Node | Region], compiled: dict[tuple, Callable]):
+        placeholders = list(graph.find_nodes(op="placeholder"))
+        out_node = next(n for n in graph.nodes if n.op == "output")
+        slot: dict[fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
+        for step in steps:
+            for n in (step.outputs if isinstance(step, Region) else [step]):
+                slot[n] = len(slot)
+        self.n_inputs = len(placeholders)
+        self.n_slots = len(slot)
+
+        last_use: dict[fx.Node, int] = {}
+        for i, step in enumerate(steps):
+            for a in (step.inputs if isinstance(step, Region) else step.all_input_nodes):
+                last_use[a] = i
+        kept = set(out_node.all_input_nodes)
+        dying: list[list[int]] = [[] for _ in steps]
+        for n, i in last_use.items():
+            if n not in kept:
+                dying[i].append(slot[n])
+
+        self.program: list[tuple] = []
+        self.listing: list[str] = []
+        names: dict[tuple, str] = {}
+        for step in steps:
+            if isinstance(step, Region) and step.key:
+                names.setdefault(step.key, f"r{len(names)}")
+        for i, step in enumerate(steps):
+            if isinstance(step, Region):
+                ops = ", ".join(_short(n) for n in step.nodes if _aten_name(n) not in _VIEWS and n.target is not operator.getitem)
+                how = f"region {names[step.key]}" if step.key else "eager"
+                self.listing.append(f"{how}({len(step.inputs)} in, {len(step.outputs)} out): {ops or 'views'}")
+                fn = compiled[step.key] if step.key else _eager_region(step)
+                self.program.append(("region", fn, [slot[a] for a in step.inputs],
+                                     [slot[o] for o in step.outputs], dying[i]))
+            else:
+                self.listing.append(_short(step))
+                args = fx.map_arg((step.args, step.kwargs), lambda a: _Slot(slot[a]))
+                self.program.append(("call", step.target, args, slot[step], dying[i]))
+        self.outputs = fx.map_arg(out_node.args[0], lambda a: _Slot(slot[a]))
+
+    def describe(self) -> str:
+        """One line per step: communication calls by op, regions by their compiled key."""
+        return "\n".join(self.listing)
+
+    def __call__(self, args: list) -> Any:
+        env: list[Any] = [None] * self.n_slots
+        env[: self.n_inputs] = args
+        args.clear()
+        for kind, fn, ins, outs, dying in self.program:
+            if kind == "region":
+                boxed = [env[i] for i in ins]
+                for d in dying:
+                    env[d] = None
+                for o, v in zip(outs, fn(boxed)):
+                    env[o] = v
+            else:
+                a, kw = _resolve(ins, env)
+                for d in dying:
+                    env[d] = None
+                env[outs] = fn(*a, **kw)
+        return _resolve(self.outputs, env)
+
+
+def _short(node: fx.Node) -> str:
+    if node.target is operator.getitem:
+        return f"getitem {node.args[1]}"
+    return _aten_name(node) or str(node.target)
+
+
+class _Slot:
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _resolve(template, env: list):
+    if isinstance(template, _Slot):
+        return env[template.index]
+    if isinstance(template, (tuple, list)):
+        return type(template)(_resolve(t, env) for t in template)
+    if isinstance(template, dict):
+        return {k: _resolve(v, env) for k, v in template.items()}
+    return template
+
+
+def _eager_region(region: Region) -> Callable:
+    """A region with nothing to generate (views, library calls): run its ATen calls directly."""
+    gm = region_module(region)
+    forward = gm.forward
+
+    def run(boxed: list):
+        outs = forward(*boxed)
+        boxed.clear()
+        return outs
+
+    return run
+
+
+def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
+                  share: Callable[[list], tuple[list, Callable[[], None]]] | None = None,
+                  ) -> tuple[Callable, list[str], dict[str, int]]:
+    """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
+    order of communication and compute it runs, and region counts for the report.
+
+    ``share(keys)``, when given, splits the compile work between the local ranks: it
+    returns the keys this rank compiles first and a ``wait()`` that returns once every
+    local rank has compiled its share into the shared on-disk cache; the remaining
+    keys are then loaded from that cache (``backend._shared_compile``).
+    """
+    steps = split_regions(gm.graph)
+    order: list[str] = []
+    counts = {"regions": 0, "compiled": 0, "eager": 0}
+    todo: dict[tuple, tuple[fx.GraphModule, list]] = {}
+    for step in steps:
+        if not isinstance(step, Region):
+            name = _aten_name(step) or str(step.target)
+            if getattr(step.target, "namespace", None) == "_c10d_functional":
+                order.append("wait" if name == "wait_tensor" else name.replace("_into_tensor", "").replace("_tensor", ""))
+            continue
+        counts["regions"] += 1
+        for _ in range(step.matmuls):
+            add_compute(order)
+        if not _needs_codegen(step.nodes):
+            counts["eager"] += 1
+            continue
+        rgm = region_module(step)
+        step.key = region_key(rgm)
+        if step.key not in todo:
+            todo[step.key] = (rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")])
+    counts["compiled"] = len(todo)
+
+    def compile_one(key):
+        rgm, inputs = todo[key]
+        return _compat.inductor_compile_region(rgm, inputs, is_backward=is_backward)
+
+    compiled: dict[tuple, Callable] = {}
+    keys = list(todo)
+    if share is not None:
+        mine, wait = share(keys)
+        for key in mine:
+            compiled[key] = compile_one(key)
+        wait()
+    for key in keys:
+        if key not in compiled:
+            compiled[key] = compile_one(key)
+    program = RegionalProgram(gm.graph, steps, compiled)
+    _compat.report_output_strides(gm)
+    return program, order, counts

@@ -1,0 +1,120 @@
+import glob
+import os
+import tempfile
+
+import torch
+from expecttest import TestCase
+
+import graphshard
+from _models import fsdp_plan, seeded, stack
+from graphshard.lowering import is_static
+
+
+def _lowered(model, *, stages=("forward", "backward"), **kwargs) -> dict[str, str]:
+    """Compiles with Inductor (regional lowering), runs a step, returns the program listings."""
+    with tempfile.TemporaryDirectory() as d:
+        graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d, **kwargs)
+        model(torch.randn(4, 8)).sum().backward()
+        out = {}
+        for stage in stages:
+            (path,) = glob.glob(os.path.join(d, f"g*_{stage}_regions.txt"))
+            with open(path) as f:
+                out[stage] = f.read()
+        return out
+
+
+class DeepStack(torch.nn.Module):
+    """Six identical linear+relu layers, each its own unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(6))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+class TestRegionalLowering(TestCase):
+    def test_forward_program(self):
+        # Communication runs between regions in the scheduled order; the three layers are
+        # one region key, compiled once.
+        listing = _lowered(stack())
+        self.assertExpectedInline(listing["forward"], """\
+pack
+all_gather_into_tensor
+wait_tensor
+pack
+all_gather_into_tensor
+unpack
+getitem 0
+region r0(2 in, 1 out): mm, relu
+wait_tensor
+pack
+all_gather_into_tensor
+unpack
+getitem 0
+region r0(2 in, 1 out): mm, relu
+wait_tensor
+unpack
+getitem 0
+region r1(2 in, 2 out): mm, relu, le
+""")
+
+    def test_backward_program(self):
+        listing = _lowered(stack(), stages=("backward",))
+        self.assertExpectedInline(listing["backward"], """\
+pack
+all_gather_into_tensor
+region r0(3 in, 3 out): full, where, mm
+pack_grads
+reduce_scatter_tensor
+wait_tensor
+pack
+all_gather_into_tensor
+unpack
+getitem 0
+region r1(5 in, 2 out): mm, le, where, mm
+pack_grads
+reduce_scatter_tensor
+wait_tensor
+unpack
+getitem 0
+region r2(5 in, 1 out): mm, le, where, mm
+pack_grads
+reduce_scatter_tensor
+wait_tensor
+unpack_reduced
+getitem 0
+eager(1 in, 1 out): views
+wait_tensor
+unpack_reduced
+getitem 0
+eager(1 in, 1 out): views
+wait_tensor
+unpack_reduced
+getitem 0
+eager(1 in, 1 out): views
+""")
+
+    def test_identical_layers_compile_once(self):
+        model = seeded(DeepStack)
+        graphshard.compile(model, fsdp_plan(), lower="inductor")
+        model(torch.randn(4, 8)).sum().backward()
+        regions = model._graphshard.explain[0].regions
+        self.assertEqual(regions["forward"]["regions"], 6)
+        # the middle layers share one key; the first and last differ in what they save or return
+        self.assertLessEqual(regions["forward"]["compiled"], 3)
+        self.assertLess(regions["backward"]["compiled"], regions["backward"]["regions"])
+
+    def test_symbolic_shapes_lower_whole(self):
+        # A region could use a size symbol that only another region's inputs bind.
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+        ph = next(iter(gm.graph.find_nodes(op="placeholder")))
+        ph.meta["val"] = torch.randn(3, 2)
+        self.assertTrue(is_static(gm))
+        ph.meta["val"] = ShapeEnv().create_unbacked_symint()
+        self.assertFalse(is_static(gm))
