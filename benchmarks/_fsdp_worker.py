@@ -89,12 +89,19 @@ def build_graphshard(model, mesh, lr) -> StepFn:
     return _make_step(model, model.parameters(), lr)
 
 
+def build_local_compile(model, mesh, lr) -> StepFn:
+    """No sharding and no communication: each rank trains its own copy, torch.compile'd, on its
+    own rows. Run with N ranks, it is the compute floor of a machine shared by N ranks."""
+    return _make_step(torch.compile(model), model.parameters(), lr)
+
+
 VARIANTS: dict[str, Callable[..., StepFn]] = {
     "fsdp2": build_fsdp2,
     "fsdp2_compile_root": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_root=True),
     "fsdp2_compile_blocks": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_blocks=True),
     "fsdp1": build_fsdp1,
     "graphshard": build_graphshard,
+    "local_compile": build_local_compile,
 }
 
 

@@ -27,7 +27,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fsdp_worker.py")
 
 COMPILE_PEERS = ("fsdp2_compile_root", "fsdp2_compile_blocks")
-DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1")
+DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1", "local_compile")
+LOCAL_FLOOR = "local_compile"  # N ranks, no sharding, no communication: the contended compute floor
 SWEEP_VARIANTS = ("fsdp2", *COMPILE_PEERS, "graphshard")
 WS1 = "_ws1"  # suffix: the same variant launched with one process (the no-communication floor)
 
@@ -251,6 +252,13 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
         out[peer] = dict(zip(("step_s", "ttfs_s", "peak_live_mib", "rss_mib"), cells))
     table = C.markdown_table([f"{subject} / peer", "step time", "setup+1st step", "peak live mem", "peak RSS"],
                              rows)
+    if any(r["variant"] == LOCAL_FLOOR for r in records) and any(r["variant"] == "fsdp2" for r in records):
+        lf = C.paired_ratio(per_rep(records, LOCAL_FLOOR, layers, "step_s", reps),
+                            per_rep(records, "fsdp2", layers, "step_s", reps))
+        out["local_floor_over_fsdp2"] = lf
+        table += (f"\n\n{LOCAL_FLOOR} / fsdp2 step (every rank trains an unsharded compiled copy at the same "
+                  f"time, no communication; the lowest step-time ratio any sharded run can reach here): "
+                  f"{C.fmt(lf, 2) if lf is not None else 'n/a'}")
     if not any(r["variant"] == subject + WS1 for r in records):
         return table, out
     floor = per_rep(records, subject + WS1, layers, "step_s", reps)

@@ -259,7 +259,7 @@ def _shared_compile(enabled: bool):
     rank, n = local
 
     def share(keys: list) -> tuple[list, callable]:
-        return keys[rank::n], dist.barrier
+        return keys[rank::n], _barrier
 
     return share
 
@@ -274,12 +274,22 @@ def _staggered(enabled: bool):
         return
     leader = local[0] == 0
     if not leader:
-        dist.barrier()
+        _barrier()
     try:
         yield
     finally:
         if leader:
-            dist.barrier()
+            _barrier()
+
+
+def _barrier() -> None:
+    """A barrier that holds every rank until all arrive. On gloo, ``dist.barrier()`` was seen
+    to release a rank while another was still compiling (torch 2.13); ``monitored_barrier``,
+    gloo's explicit one, holds them."""
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier()
+    else:
+        dist.barrier()
 
 
 _LOWERED_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(")
