@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from graphshard import _compat
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute
-from graphshard.lowering import is_static, lower_regions
+from graphshard.lowering import lower_regions, whole_graph_reason
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
@@ -195,7 +195,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             g = run_passes(g, ctx, post_partition_passes())
             if ctx.config.lower == "eager":
                 compiled = _compat.boxed_nop(g, inputs)
-            elif ctx.config.regional and is_static(g):
+            elif ctx.config.regional and not _whole_graph(g, stage, ctx):
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
                     compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
                                                             share=_shared_compile(ctx.config.share_compile))
@@ -225,6 +225,13 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                       else _compat.min_cut_rematerialization_partition),
         decompositions=decomps,
     )
+
+
+def _whole_graph(g: fx.GraphModule, stage: str, ctx: PassContext) -> bool:
+    reason = whole_graph_reason(g)
+    if reason:
+        ctx.report.notes.append(f"{stage} graph lowered whole, not by region: {reason}")
+    return reason is not None
 
 
 def _record_lowered(compiled, stage: str, ctx: PassContext) -> None:

@@ -54,15 +54,25 @@ def _aten_name(node: fx.Node) -> str | None:
     return None
 
 
-def is_static(gm: fx.GraphModule) -> bool:
-    """Whether every input has static sizes. A region's sizes may depend on symbols that only
-    another region's inputs bind, so graphs with symbolic shapes are lowered whole."""
+def whole_graph_reason(gm: fx.GraphModule) -> str | None:
+    """Why ``gm`` must be lowered whole, or None when regional lowering applies.
+
+    * symbolic sizes: a region's sizes may depend on symbols that only another
+      region's inputs bind;
+    * a region would hand on a non-tensor value (a tuple an op returned, read by
+      ``getitem`` after a communication step): a compiled region returns tensors.
+    """
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = ph.meta.get("val")
         dims = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
         if not all(_compat.is_concrete_int(d) for d in dims if isinstance(d, (int, torch.SymInt))):
-            return False
-    return True
+            return f"input {ph.name} has symbolic sizes"
+    for step in split_regions(gm.graph):
+        if isinstance(step, Region):
+            for o in step.outputs:
+                if not isinstance(o.meta.get("val"), torch.Tensor):
+                    return f"region output {o.name} is not a tensor"
+    return None
 
 
 def is_communication(node: fx.Node) -> bool:

@@ -7,7 +7,7 @@ from expecttest import TestCase
 
 import graphshard
 from _models import fsdp_plan, seeded, stack
-from graphshard.lowering import is_static
+from graphshard.lowering import whole_graph_reason
 
 
 def _lowered(model, *, stages=("forward", "backward"), **kwargs) -> dict[str, str]:
@@ -112,9 +112,12 @@ eager(1 in, 1 out): views
         # A region could use a size symbol that only another region's inputs bind.
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-        gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-        ph = next(iter(gm.graph.find_nodes(op="placeholder")))
-        ph.meta["val"] = torch.randn(3, 2)
-        self.assertTrue(is_static(gm))
-        ph.meta["val"] = ShapeEnv().create_unbacked_symint()
-        self.assertFalse(is_static(gm))
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        y = g.call_function(torch.ops.aten.relu.default, (x,))
+        g.output((y,))
+        x.meta["val"] = y.meta["val"] = torch.randn(3, 2)
+        gm = torch.fx.GraphModule(torch.nn.Module(), g)
+        self.assertIsNone(whole_graph_reason(gm))
+        x.meta["val"] = ShapeEnv().create_unbacked_symint()
+        self.assertEqual(whole_graph_reason(gm), "input x has symbolic sizes")
