@@ -290,9 +290,10 @@ def _staggered(enabled: bool):
 
 
 def _barrier() -> None:
-    """A barrier that holds every rank until all arrive. On gloo, ``dist.barrier()`` was seen
-    to release a rank while another was still compiling (torch 2.13); ``monitored_barrier``,
-    gloo's explicit one, holds them."""
+    """Holds the local ranks until all have compiled their share. It only saves work: a rank
+    that passes early compiles the regions it does not find in the cache itself. (On gloo in
+    torch 2.13, during a first compile, we saw ``barrier`` and ``monitored_barrier`` let a
+    rank through before the other arrived; see docs/design.md.)"""
     if dist.get_backend() == "gloo":
         dist.monitored_barrier()
     else:
