@@ -489,6 +489,31 @@ def least_contended(attempts: list[dict], earlier: list | None = None) -> dict:
     return {**best, "attempts_other_cpu_pct": loads}
 
 
+def run_until_quiet(run: Callable[[int], dict], args, write: Callable[[str], Any]) -> dict:
+    """Runs ``run(attempt)`` up to ``1 + args.retries`` times, stopping at the first run that
+    failed or was measured on a quiet machine; returns the least contended attempt."""
+    attempts = []
+    for attempt in range(1 + args.retries):
+        res = run(attempt)
+        write(res.pop("_msg"))
+        attempts.append(res)
+        if not contended(res, args):
+            break
+    return least_contended(attempts)
+
+
+def make_up_contended(records: list[dict], args, rerun: Callable[[dict, int], dict]) -> None:
+    """Make-up pass: runs still contended after their retries get one more try at the end
+    (``rerun(record, attempt)``); each record keeps the less contended of the two."""
+    if not args.retries:
+        return
+    for i, rec in enumerate(records):
+        if contended(rec, args):
+            again = rerun(rec, len(rec["attempts_other_cpu_pct"]))
+            print(again.pop("_msg"), flush=True)
+            records[i] = least_contended([rec, again], rec["attempts_other_cpu_pct"])
+
+
 def git_revision() -> str:
     """HEAD of the checkout being measured, '+dirty' when graphshard/ or passes/ have local changes."""
     import subprocess

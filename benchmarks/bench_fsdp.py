@@ -150,26 +150,15 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
                             "reason": unavailable[base]})
             outer.update()
             continue
-        attempts = []
-        for attempt in range(1 + args.retries):
-            res = run_one(args, variant, layers, rep, nproc, env, attempt)
-            outer.write(res.pop("_msg"))
-            attempts.append(res)
-            if res["status"] != "ok" or (res["other_cpu_pct"] or 0) <= args.max_other_cpu:
-                break
-        best = C.least_contended(attempts)
+        best = C.run_until_quiet(lambda attempt: run_one(args, variant, layers, rep, nproc, env, attempt),
+                                 args, outer.write)
         if best["status"] == "unavailable":
             unavailable[base] = best.get("reason", "")
         records.append(best)
         outer.update()
     outer.close()
-    # Make-up pass: runs still contended after their retries get one more try at the end.
-    for i, rec in enumerate(records):
-        if args.retries and C.contended(rec, args):
-            again = run_one(args, rec["variant"], rec["layers"], rec["rep"], nproc, env,
-                            len(rec["attempts_other_cpu_pct"]))
-            print(again.pop("_msg"), flush=True)
-            records[i] = C.least_contended([rec, again], rec["attempts_other_cpu_pct"])
+    C.make_up_contended(records, args, lambda rec, attempt: run_one(
+        args, rec["variant"], rec["layers"], rec["rep"], nproc, env, attempt))
     return records
 
 
@@ -325,11 +314,11 @@ def main(argv=None) -> int:
     else:
         nproc, env, hw = device_setup(args)
         hw += f"; graphshard @ {C.git_revision()}"
-        os.makedirs(args.out_dir, exist_ok=True)
         print(f"# FSDP benchmark: {hw}")
         records = run_all(args, nproc, env)
     text, name, extra = report(args, records, hw)
     print("\n" + text)
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, name + ".md"), "w") as f:
         f.write(text)
     if not from_json:

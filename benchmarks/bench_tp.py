@@ -182,25 +182,14 @@ def run_all(args, env: dict[str, str]) -> list[dict]:
                             "rep": rep, "status": "unavailable", "reason": unavailable[variant]})
             outer.update()
             continue
-        attempts = []
-        for attempt in range(1 + args.retries):
-            res = run_one(args, part, variant, rep, env, attempt)
-            outer.write(res.pop("_msg"))
-            attempts.append(res)
-            if res["status"] != "ok" or (res["other_cpu_pct"] or 0) <= args.max_other_cpu:
-                break
-        best = C.least_contended(attempts)
+        best = C.run_until_quiet(lambda attempt: run_one(args, part, variant, rep, env, attempt), args, outer.write)
         if best["status"] == "unavailable":
             unavailable[variant] = best.get("reason", "")
         records.append(best)
         outer.update()
     outer.close()
-    # Make-up pass: runs still contended after their retries get one more try at the end.
-    for i, rec in enumerate(records):
-        if args.retries and C.contended(rec, args):
-            again = run_one(args, rec["part"], rec["variant"], rec["rep"], env, len(rec["attempts_other_cpu_pct"]))
-            print(again.pop("_msg"), flush=True)
-            records[i] = C.least_contended([rec, again], rec["attempts_other_cpu_pct"])
+    C.make_up_contended(records, args, lambda rec, attempt: run_one(
+        args, rec["part"], rec["variant"], rec["rep"], env, attempt))
     return records
 
 
@@ -376,7 +365,6 @@ def main(argv=None) -> int:
     else:
         env, hw = launch_env(args)
         hw += f"; graphshard @ {C.git_revision()}"
-        os.makedirs(args.out_dir, exist_ok=True)
         print(f"# TP benchmark: {hw}")
         records = run_all(args, env)
     text, summary = report(args, records, hw)
