@@ -97,6 +97,27 @@ def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
     return config.patch(**kwargs)
 
 
+def inductor_cpu_warmup() -> None:
+    """Starts, on a daemon thread, the check Inductor makes before its first C++ kernel:
+    which vector ISAs the compiler can build (a few seconds of gcc, cached per process
+    and on disk). Started when compilation begins, it overlaps tracing instead of
+    delaying the first region."""
+    import threading
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    threading.Thread(target=valid_vec_isa_list, name="graphshard-inductor-warmup", daemon=True).start()
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """Suspends the active FakeTensorMode, if any. Backend compilers run under aot_autograd's
+    fake mode, where a c10d call on a tensor it creates (``barrier`` makes one) would be
+    faked too and return at once without communicating."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def boxed_nop(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     """The 'eager' lowering: run the graph module as is, in aot_autograd's boxed convention."""
     from torch._functorch.aot_autograd import make_boxed_func

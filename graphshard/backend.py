@@ -23,6 +23,7 @@ import re
 import time
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from graphshard import _compat
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute
-from graphshard.lowering import lower_regions, whole_graph_reason
+from graphshard.lowering import lower_regions, split_work, whole_graph_reason
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
@@ -45,6 +46,8 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
                        config: CompileConfig | None = None):
     """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
     config = config or CompileConfig(**(options or {}))
+    if config.lower == "inductor" and any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in example_inputs):
+        _compat.inductor_cpu_warmup()
     t0 = time.perf_counter()
     prepared = prepare(gm, example_inputs, config)
     t1 = time.perf_counter()
@@ -196,7 +199,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             if ctx.config.lower == "eager":
                 compiled = _compat.boxed_nop(g, inputs)
             elif ctx.config.regional and not _whole_graph(g, stage, ctx):
-                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS):
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, compile_threads=_compile_threads()):
                     compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
                                                             share=_shared_compile(ctx.config.share_compile))
                 ctx.report.lowered_order[stage] = order
@@ -256,17 +259,30 @@ def _local_ranks() -> tuple[int, int] | None:
     return int(os.environ.get("LOCAL_RANK", dist.get_rank())), local_world
 
 
+def _compile_threads() -> int:
+    """Inductor's compile workers per rank: the machine's cores divided between the local
+    ranks, which already compile side by side. Inductor's default (one worker per core in
+    every rank) oversubscribes the cores, and each rank starts its own pool of worker
+    processes. ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = _local_ranks()
+    return max(1, cores // (local[1] if local else 1))
+
+
 def _shared_compile(enabled: bool):
-    """Regional lowering's division of work: local rank r compiles the distinct regions
-    r, r + n, r + 2n, ... into the shared on-disk cache; after a barrier every rank loads
-    the others' regions from it. Every rank passes exactly one barrier per graph."""
+    """Regional lowering's division of work: the distinct regions are dealt out to the
+    local ranks by cost (`lowering.split_work`); each compiles its share into the shared
+    on-disk cache and, after a barrier, loads the others' regions from it. Every rank
+    passes exactly one barrier per graph."""
     local = _local_ranks() if enabled and _compat.inductor_fx_graph_cache_enabled() else None
     if local is None:
         return None
     rank, n = local
 
-    def share(keys: list) -> tuple[list, callable]:
-        return keys[rank::n], _barrier
+    def share(costs: list[int]) -> tuple[list[int], Callable[[], None]]:
+        return split_work(costs, n)[rank], _barrier
 
     return share
 
@@ -290,14 +306,15 @@ def _staggered(enabled: bool):
 
 
 def _barrier() -> None:
-    """Holds the local ranks until all have compiled their share. It only saves work: a rank
-    that passes early compiles the regions it does not find in the cache itself. (On gloo in
-    torch 2.13, during a first compile, we saw ``barrier`` and ``monitored_barrier`` let a
-    rank through before the other arrived; see docs/design.md.)"""
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier()
-    else:
-        dist.barrier()
+    """Holds the local ranks until all have compiled their share. It runs outside the
+    compile's fake mode: under it, c10d's barrier works on a fake tensor and returns at
+    once (what earlier versions saw as gloo letting a rank through early). A rank that did
+    pass early would still be correct: it compiles the regions it does not find in the cache."""
+    with _compat.outside_fake_mode():
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier()
+        else:
+            dist.barrier()
 
 
 _LOWERED_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(")

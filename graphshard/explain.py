@@ -46,7 +46,7 @@ class GraphReport:
             lines.append(f"  order in lowered code ({stage}): {' -> '.join(order)}")
         for stage, c in self.regions.items():
             lines.append(f"  regions ({stage}): {c['regions']}, {c['compiled']} compiled by Inductor, "
-                         f"{c['eager']} views only")
+                         f"{c['eager']} run as ATen calls")
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
         if self.compile_seconds:
             lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))

@@ -85,10 +85,31 @@ def is_communication(node: fx.Node) -> bool:
     return ns in COMMUNICATION_NAMESPACES
 
 
-def _needs_codegen(nodes: list[fx.Node]) -> bool:
-    """Whether Inductor would generate a kernel for the region. Views and library calls
-    (matmuls, attention) it would only call as they are: those regions run directly."""
-    return any(n.target is not operator.getitem and _aten_name(n) not in _VIEWS | _LIBRARY_CALLS for n in nodes)
+_FACTORIES = frozenset({"full", "iota", "arange", "zeros", "ones", "scalar_tensor"})
+
+
+def constant_nodes(graph: fx.Graph) -> dict[fx.Node, tuple]:
+    """Tensors made from nothing but their arguments (``full``, ``iota``, ...) and views of
+    them: cheap to remake, and Inductor folds them into the loops that read them. Each maps
+    to a sort key that depends only on what it computes, so that regions lay their
+    constants out the same way wherever in the graph they sit."""
+    constants: dict[fx.Node, tuple] = {}
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        name, ins = _aten_name(n), n.all_input_nodes
+        if (not ins and name in _FACTORIES) or (ins and name in _VIEWS and all(a in constants for a in ins)):
+            depth = 1 + max((constants[a][0] for a in ins), default=0)
+            args = fx.map_arg((n.args, n.kwargs), lambda a: constants[a][1])
+            constants[n] = (depth, f"{n.target}{args}")
+    return constants
+
+
+def _generated_ops(nodes: list[fx.Node]) -> int:
+    """How many of ``nodes`` Inductor would generate code for. Views and library calls
+    (matmuls, attention) it only calls as they are. A region with at most one such op
+    runs its ATen calls directly: one op is already one kernel, with nothing to fuse."""
+    return sum(n.target is not operator.getitem and _aten_name(n) not in _VIEWS | _LIBRARY_CALLS for n in nodes)
 
 
 @dataclass
@@ -106,31 +127,58 @@ class Region:
 def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
     """The graph as a sequence of communication nodes and compute regions, in graph order
     (placeholders and the output node excluded)."""
+    constants = constant_nodes(graph)
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     steps: list[fx.Node | Region] = []
     current: list[fx.Node] = []
+
+    def close() -> None:
+        region = _region(current, constants)
+        # Constants that later regions remake for themselves leave nothing to run here.
+        if region.outputs or not all(n in constants for n in region.nodes):
+            steps.append(region)
+        current.clear()
+
     for node in body:
         if is_communication(node):
             if current:
-                steps.append(_region(current))
-                current = []
+                close()
             steps.append(node)
         else:
             current.append(node)
     if current:
-        steps.append(_region(current))
+        close()
     return steps
 
 
-def _region(nodes: list[fx.Node]) -> Region:
+def _region(nodes: list[fx.Node], constants: dict[fx.Node, tuple]) -> Region:
+    """A region over ``nodes``. Constants it reads, whichever step made them, it makes
+    itself, first and in a fixed order (Inductor inlines them): a constant shared by the
+    layers (an attention mask's fill value, a view of positions) then neither flows between
+    regions nor makes the first layer's region differ from the others'. A constant leaves
+    the region that made it only for a communication step or the graph's output."""
+    own = set(nodes)
+    made: set[fx.Node] = set()
+    todo = [c for n in nodes for c in (n, *n.all_input_nodes) if c in constants]
+    while todo:
+        c = todo.pop()
+        if c not in made:
+            made.add(c)
+            todo.extend(c.all_input_nodes)
+    nodes = sorted(made, key=constants.__getitem__) + [n for n in nodes if n not in made]
     inside = set(nodes)
     inputs: dict[fx.Node, None] = {}
     for n in nodes:
         for a in n.all_input_nodes:
             if a not in inside:
                 inputs[a] = None
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    return Region(nodes, list(inputs), outputs)
+
+    def leaves(n: fx.Node) -> bool:
+        if n in made:
+            return n in own and any(u.op == "output" or is_communication(u) for u in n.users)
+        return any(u not in inside for u in n.users)
+
+    return Region(nodes, list(inputs), [n for n in nodes if leaves(n)])
 
 
 def region_module(region: Region) -> fx.GraphModule:
@@ -265,21 +313,35 @@ def _eager_region(region: Region) -> Callable:
     return run
 
 
+def split_work(costs: list[int], n: int) -> list[list[int]]:
+    """Indices of ``costs`` for each of ``n`` workers, largest first to the least loaded
+    (longest-processing-time scheduling): every worker gets work while there is some."""
+    loads = [0] * n
+    shares: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        w = min(range(n), key=lambda w: (loads[w], w))
+        loads[w] += costs[i]
+        shares[w].append(i)
+    return shares
+
+
 def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
-                  share: Callable[[list], tuple[list, Callable[[], None]]] | None = None,
+                  share: Callable[[list[int]], tuple[list[int], Callable[[], None]]] | None = None,
                   ) -> tuple[Callable, list[str], dict[str, int]]:
     """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
     order of communication and compute it runs, and region counts for the report.
 
-    ``share(keys)``, when given, splits the compile work between the local ranks: it
-    returns the keys this rank compiles first and a ``wait()`` that returns once every
-    local rank has compiled its share into the shared on-disk cache; the remaining
-    keys are then loaded from that cache (``backend._shared_compile``).
+    ``share(costs)``, when given, splits the compile work between the local ranks: given
+    the cost of each distinct region (the ops Inductor generates code for), it returns
+    the indices of those this rank compiles first and a ``wait()`` that returns once
+    every local rank has compiled its share into the shared on-disk cache; the remaining
+    regions are then loaded from that cache (``backend._shared_compile``).
     """
     steps = split_regions(gm.graph)
     order: list[str] = []
     counts = {"regions": 0, "compiled": 0, "eager": 0}
     todo: dict[tuple, tuple[fx.GraphModule, list]] = {}
+    cost: dict[tuple, int] = {}
     for step in steps:
         if not isinstance(step, Region):
             name = _aten_name(step) or str(step.target)
@@ -289,13 +351,14 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
         counts["regions"] += 1
         for _ in range(step.matmuls):
             add_compute(order)
-        if not _needs_codegen(step.nodes):
+        if _generated_ops(step.nodes) <= 1:
             counts["eager"] += 1
             continue
         rgm = region_module(step)
         step.key = region_key(rgm)
         if step.key not in todo:
             todo[step.key] = (rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")])
+            cost[step.key] = _generated_ops(step.nodes)
     counts["compiled"] = len(todo)
 
     def compile_one(key):
@@ -305,9 +368,9 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
     compiled: dict[tuple, Callable] = {}
     keys = list(todo)
     if share is not None:
-        mine, wait = share(keys)
-        for key in mine:
-            compiled[key] = compile_one(key)
+        mine, wait = share([cost[k] for k in keys])
+        for i in mine:
+            compiled[keys[i]] = compile_one(keys[i])
         wait()
     for key in keys:
         if key not in compiled:

@@ -39,7 +39,7 @@ pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    return {r["case"]: r for r in torchrun("numerics.py", TWO_RANK, nproc=2)}
+    return {r["case"]: r for r in torchrun("numerics.py", [*TWO_RANK, "compile_barrier"], nproc=2)}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,12 @@ def test_no_graph_breaks_and_no_recompiles(two_rank_results, case):
     r = two_rank_results[case]
     assert r["graph_breaks"] == 0, r
     assert r["frames"] == 1, f"{case} compiled {r['frames']} graphs over 5 steps"
+
+
+def test_compile_barrier_waits_under_fake_mode(two_rank_results):
+    # Shared compiles wait for every local rank; under fake mode c10d would return at once.
+    rank0_wait, rank1_wait = two_rank_results["compile_barrier"]["waits"]
+    assert rank1_wait > 0.5 > rank0_wait, two_rank_results["compile_barrier"]
 
 
 def test_fqns_are_the_users(two_rank_results):

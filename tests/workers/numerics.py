@@ -69,7 +69,28 @@ def plan_for(strategy: str, world: int):
     return graphshard.Plan(mesh, {"layers.*": spec, "": spec}), world
 
 
+def compile_barrier(case: str) -> dict:
+    """The barrier between shared region compiles runs inside the compile's fake mode. Rank 0
+    arrives a second late; every other rank must wait for it there."""
+    import time
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphshard.backend import _barrier
+
+    if dist.get_rank() == 0:
+        time.sleep(1.0)
+    start = time.perf_counter()
+    with FakeTensorMode():
+        _barrier()
+    waits = [None] * dist.get_world_size()
+    dist.all_gather_object(waits, time.perf_counter() - start)
+    return {"case": case, "waits": waits}
+
+
 def run_case(case: str) -> dict:
+    if case == "compile_barrier":
+        return compile_barrier(case)
     model_name, strategy, lower, *flags = case.split(":")
     dynamic = "dynamic" in flags
     from graphshard._compat import dynamo_counters
