@@ -398,6 +398,21 @@ def median(xs: Iterable[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def rank_timings(ranks: list[dict]) -> dict:
+    """The timing part of a run's result from every rank's figures: the slowest rank's
+    set-up and first step, per step the slowest rank, and the loss averaged over ranks
+    (under data parallelism the ranks see different rows; the mean is the global-batch loss)."""
+    n_steps = len(ranks[0]["step_times_s"])
+    step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(n_steps)]
+    return {
+        "setup_s": max(r["setup_s"] for r in ranks),
+        "first_step_s": max(r["first_step_s"] for r in ranks),
+        "step_times_s": step_times,
+        "step_s": median(step_times),
+        "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))],
+    }
+
+
 def paired_ratio(num: Sequence[float | None], den: Sequence[float | None]) -> float | None:
     """Median over repetitions of ``num[i] / den[i]``: runs adjacent in time are paired,
     which cancels most of the drift between launches."""

@@ -155,16 +155,11 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
     if ranks is None:
         return None
     mib = 1 / 2**20
-    step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(len(times))]
     return {
         "status": "ok",
         "world": ctx.world,
         "data_world": data_world,
-        "setup_s": max(r["setup_s"] for r in ranks),
-        "first_step_s": max(r["first_step_s"] for r in ranks),
-        "step_times_s": step_times,  # per step: the slowest rank
-        "step_s": C.median(step_times),
-        "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(losses))],
+        **C.rank_timings(ranks),
         "peak_live_mib": max(r["peak_live_bytes"] for r in ranks) * mib,
         "resident_mib": max(r["resident_bytes"] for r in ranks) * mib,
         "rss_mib": max(r["rss_mib"] for r in ranks),

@@ -223,7 +223,6 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
     ranks = C.gather_to_rank0(mine)
     if ranks is None:
         return None
-    step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(len(times))]
     # The rank that moved the most bytes (TP ranks are symmetric; under FSDP + TP they can differ).
     heaviest = max(ranks, key=lambda r: r["comm"]["in_bytes"])
     backend_calls = {r["rank"]: sum(r["comm"]["backend_calls"].values()) for r in ranks}
@@ -233,12 +232,7 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
         "world": ctx.world,
         "mesh": {n: mesh[n].size() for n in mesh.mesh_dim_names},
         "dp": dp,
-        "setup_s": max(r["setup_s"] for r in ranks),
-        "first_step_s": max(r["first_step_s"] for r in ranks),
-        "step_times_s": step_times,  # per step: the slowest rank
-        "step_s": C.median(step_times),
-        # mean over ranks: under FSDP + TP the dp ranks see different rows, the mean is the global-batch loss
-        "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(losses))],
+        **C.rank_timings(ranks),
         "comm_bytes": heaviest["comm"]["in_bytes"],
         "comm_mib": heaviest["comm"]["in_bytes"] / 2**20,
         "comm_calls": heaviest["comm"]["calls"],

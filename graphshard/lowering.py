@@ -351,14 +351,15 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
         counts["regions"] += 1
         for _ in range(step.matmuls):
             add_compute(order)
-        if _generated_ops(step.nodes) <= 1:
+        generated = _generated_ops(step.nodes)
+        if generated <= 1:
             counts["eager"] += 1
             continue
         rgm = region_module(step)
         step.key = region_key(rgm)
         if step.key not in todo:
             todo[step.key] = (rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")])
-            cost[step.key] = _generated_ops(step.nodes)
+            cost[step.key] = generated
     counts["compiled"] = len(todo)
 
     def compile_one(key):
