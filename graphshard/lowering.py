@@ -25,7 +25,7 @@ so Inductor frees each one inside the region after its last read.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -112,16 +112,28 @@ def _generated_ops(nodes: list[fx.Node]) -> int:
     return sum(n.target is not operator.getitem and _aten_name(n) not in _VIEWS | _LIBRARY_CALLS for n in nodes)
 
 
-@dataclass
+@dataclass(eq=False)
 class Region:
     nodes: list[fx.Node]
     inputs: list[fx.Node]
     outputs: list[fx.Node]
-    key: tuple = ()
+    own: list[fx.Node] = field(default_factory=list)  # the graph's nodes it was cut from
+    key: tuple = ()  # set when the region is compiled
+    _signature: tuple | None = None
 
     @property
     def matmuls(self) -> int:
         return sum(_aten_name(n) in _MATMULS for n in self.nodes)
+
+    @property
+    def generated(self) -> int:
+        return _generated_ops(self.nodes)
+
+    def signature(self) -> tuple:
+        """The key the region compiles under (``region_key`` of its module)."""
+        if self._signature is None:
+            self._signature = region_key(region_module(self))
+        return self._signature
 
 
 def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
@@ -148,7 +160,58 @@ def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
             current.append(node)
     if current:
         close()
-    return steps
+    return _reuse_prefixes(steps, constants)
+
+
+def _reuse_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tuple]) -> list[fx.Node | Region]:
+    """Cuts a region that begins with the whole computation of another region, as the last
+    layer's does when the model's tail (final norm, output projection) follows it with no
+    communication between: its first part then shares the other region's compiled code,
+    and only the tail is new. The cut is made only where the first part's key equals the
+    other region's, so the program is the same; what it loses is the fusion of the layer's
+    last kernel with the tail's first, and it saves compiling the layer's kernels again."""
+    patterns: dict[tuple, Region] = {}
+    for step in steps:
+        if isinstance(step, Region) and step.generated > 1:
+            patterns.setdefault(step.signature(), step)
+    if len(patterns) < 2:
+        return steps
+    by_size = sorted(patterns.values(), key=lambda r: -len(_body(r, constants)))
+    out: list[fx.Node | Region] = []
+    for step in steps:
+        parts = None
+        if isinstance(step, Region) and step.generated > 1:
+            parts = next((p for pattern in by_size if pattern.signature() != step.signature()
+                          for p in [_cut_after(step, pattern, constants)] if p), None)
+        out.extend(parts or [step])
+    return out
+
+
+def _body(region: Region, constants: dict[fx.Node, tuple]) -> list[fx.Node]:
+    return [n for n in region.own if n not in constants]
+
+
+def _cut_after(region: Region, pattern: Region, constants: dict[fx.Node, tuple]) -> list[Region] | None:
+    """``region`` as [the part that computes what ``pattern`` computes, the rest], or None.
+    With no rest, the region is the pattern's computation with fewer outputs read (the
+    last layer, whose hand-on values have no reader) and runs as the pattern."""
+    body, head = _body(region, constants), _body(pattern, constants)
+    if len(body) < len(head) or [n.target for n in body[: len(head)]] != [n.target for n in head]:
+        return None
+    first = _region(body[: len(head)], constants)
+    # The first part returns what the pattern returns (a value the layer hands on, such as
+    # the residual stream, may have no later use here: the runner drops it at once).
+    position = {n: i for i, n in enumerate(head)}
+    if not all(o in position for o in pattern.outputs):
+        return None
+    outputs = [body[position[o]] for o in pattern.outputs]
+    if not set(first.outputs) <= set(outputs):
+        return None
+    first.outputs = outputs
+    if first.signature() != pattern.signature():
+        return None
+    rest = _region([n for n in region.own if n in constants] + body[len(head):], constants)
+    return [first, rest] if rest.outputs or len(body) > len(head) else [first]
 
 
 def _region(nodes: list[fx.Node], constants: dict[fx.Node, tuple]) -> Region:
@@ -157,7 +220,7 @@ def _region(nodes: list[fx.Node], constants: dict[fx.Node, tuple]) -> Region:
     layers (an attention mask's fill value, a view of positions) then neither flows between
     regions nor makes the first layer's region differ from the others'. A constant leaves
     the region that made it only for a communication step or the graph's output."""
-    own = set(nodes)
+    own_order, own = nodes, set(nodes)
     made: set[fx.Node] = set()
     todo = [c for n in nodes for c in (n, *n.all_input_nodes) if c in constants]
     while todo:
@@ -178,7 +241,7 @@ def _region(nodes: list[fx.Node], constants: dict[fx.Node, tuple]) -> Region:
             return n in own and any(u.op == "output" or is_communication(u) for u in n.users)
         return any(u not in inside for u in n.users)
 
-    return Region(nodes, list(inputs), [n for n in nodes if leaves(n)])
+    return Region(nodes, list(inputs), [n for n in nodes if leaves(n)], own=list(own_order))
 
 
 def region_module(region: Region) -> fx.GraphModule:
@@ -233,6 +296,7 @@ class RegionalProgram:
         for n, i in last_use.items():
             if n not in kept:
                 dying[i].append(slot[n])
+        used = last_use.keys() | kept
 
         self.program: list[tuple] = []
         self.listing: list[str] = []
@@ -244,10 +308,13 @@ class RegionalProgram:
             if isinstance(step, Region):
                 ops = ", ".join(_short(n) for n in step.nodes if _aten_name(n) not in _VIEWS and n.target is not operator.getitem)
                 how = f"region {names[step.key]}" if step.key else "eager"
-                self.listing.append(f"{how}({len(step.inputs)} in, {len(step.outputs)} out): {ops or 'views'}")
+                unread = sum(o not in used for o in step.outputs)
+                outs = f"{len(step.outputs)} out" + (f", {unread} unread" if unread else "")
+                self.listing.append(f"{how}({len(step.inputs)} in, {outs}): {ops or 'views'}")
                 fn = compiled[step.key] if step.key else _eager_region(step)
+                # An output nothing reads (a region reused for its computation) is dropped at once.
                 self.program.append(("region", fn, [slot[a] for a in step.inputs],
-                                     [slot[o] for o in step.outputs], dying[i]))
+                                     [slot[o] if o in used else None for o in step.outputs], dying[i]))
             else:
                 self.listing.append(_short(step))
                 args = fx.map_arg((step.args, step.kwargs), lambda a: _Slot(slot[a]))
@@ -268,7 +335,8 @@ class RegionalProgram:
                 for d in dying:
                     env[d] = None
                 for o, v in zip(outs, fn(boxed)):
-                    env[o] = v
+                    if o is not None:
+                        env[o] = v
             else:
                 a, kw = _resolve(ins, env)
                 for d in dying:
@@ -351,13 +419,13 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
         counts["regions"] += 1
         for _ in range(step.matmuls):
             add_compute(order)
-        generated = _generated_ops(step.nodes)
+        generated = step.generated
         if generated <= 1:
             counts["eager"] += 1
             continue
-        rgm = region_module(step)
-        step.key = region_key(rgm)
+        step.key = step.signature()
         if step.key not in todo:
+            rgm = region_module(step)
             todo[step.key] = (rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")])
             cost[step.key] = generated
     counts["compiled"] = len(todo)

@@ -38,6 +38,26 @@ class DeepStack(torch.nn.Module):
         return x
 
 
+class TailStack(torch.nn.Module):
+    """Four identical pre-norm residual layers, each region ending in the next layer's norm;
+    after the last, a tail that follows with no communication between (as a transformer's
+    output head follows its final norm), then a root-owned gain (whose all-gather's wait
+    comes at its first use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+        self.gain = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x):
+        h = torch.nn.functional.layer_norm(x, (8,))
+        for layer in self.layers:
+            x = x + torch.relu(layer(h))
+            h = torch.nn.functional.layer_norm(x, (8,))
+        y = torch.tanh(h) - 0.5 * h
+        return (y * self.gain).sum(-1)
+
+
 class TestRegionalLowering(TestCase):
     def test_programs(self):
         # Communication runs between regions in the scheduled order. A region with one op
@@ -81,7 +101,7 @@ reduce_scatter_tensor
 wait_tensor
 unpack
 getitem 0
-region r2(4 in, 1 out): full, mm, le, where, mm
+region r1(4 in, 2 out, 1 unread): full, mm, le, where, mm
 pack_grads
 reduce_scatter_tensor
 wait_tensor
@@ -103,11 +123,36 @@ eager(1 in, 1 out): views
         graphshard.compile(model, fsdp_plan(), lower="inductor")
         model(torch.randn(4, 8)).sum().backward()
         regions = model._graphshard.explain[0].regions
-        self.assertEqual(regions["forward"]["regions"], 6)
         # Every region remakes the shared constant instead of the first layer handing it on,
-        # so the first five layers share one key; the last also returns what backward saves.
+        # so the layers share one key. The relu masks that backward saves, which the
+        # partitioner computes at the end of the graph, would make the last layer's region
+        # differ; it is cut after the layer's own computation, and the masks are a region.
+        self.assertEqual(regions["forward"]["regions"], 7)
         self.assertEqual(regions["forward"]["compiled"], 2)
         self.assertLess(regions["backward"]["compiled"], regions["backward"]["regions"])
+
+    def test_last_layer_reuses_layer_region(self):
+        # The last layer's region would run on into the tail; it is cut after the layer, so
+        # all four layers share r1 and only the tail (r2) is new. The last layer's x, which
+        # the layers hand on for the next residual add, has no reader there: the shared
+        # region still returns it ("1 unread"), and the runner drops it at once.
+        model = seeded(TailStack)
+        with tempfile.TemporaryDirectory() as d:
+            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d)
+            model(torch.randn(4, 8)).sum().backward()
+            (path,) = glob.glob(os.path.join(d, "g*_forward_regions.txt"))
+            with open(path) as f:
+                listing = f.read()
+        regions = model._graphshard.explain[0].regions["forward"]
+        self.assertEqual((regions["regions"], regions["compiled"]), (7, 4))
+        self.assertExpectedInline("\n".join(line for line in listing.splitlines() if line.startswith("region")), """\
+region r0(1 in, 1 out): var_mean, add, rsqrt, sub, mul
+region r1(3 in, 4 out): mm, relu, add, var_mean, add, rsqrt, sub, mul
+region r1(3 in, 4 out): mm, relu, add, var_mean, add, rsqrt, sub, mul
+region r1(3 in, 4 out): mm, relu, add, var_mean, add, rsqrt, sub, mul
+region r1(3 in, 4 out, 1 unread): mm, relu, add, var_mean, add, rsqrt, sub, mul
+region r2(1 in, 1 out): tanh, mul, sub
+region r3(10 in, 9 out): mul, sum, div, le, div, le, div, le, div, le""")
 
     def test_split_work(self):
         # Largest first, each to the least loaded rank; every rank gets work while there is some.
