@@ -13,6 +13,9 @@ compiler again. Here the graph is cut at its communication ops instead:
   give the same few keys, and each key is compiled by Inductor once and reused;
 * a region made only of views and library calls (matmuls, attention), for which
   Inductor would generate no kernel, runs as plain ATen calls;
+* a region that begins with another region's whole computation (the last layer,
+  which runs on into the model's tail or returns fewer values) is cut after it and
+  runs as that region;
 * communication steps run as they would in Inductor's generated code (the same
   functional-collective calls), in the scheduled order, so the overlap the
   schedule chose is kept by construction.
@@ -119,7 +122,7 @@ class Region:
     outputs: list[fx.Node]
     own: list[fx.Node] = field(default_factory=list)  # the graph's nodes it was cut from
     key: tuple = ()  # set when the region is compiled
-    _signature: tuple | None = None
+    _signature: tuple | None = field(default=None, repr=False)
 
     @property
     def matmuls(self) -> int:
@@ -166,10 +169,11 @@ def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
 def _reuse_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tuple]) -> list[fx.Node | Region]:
     """Cuts a region that begins with the whole computation of another region, as the last
     layer's does when the model's tail (final norm, output projection) follows it with no
-    communication between: its first part then shares the other region's compiled code,
-    and only the tail is new. The cut is made only where the first part's key equals the
-    other region's, so the program is the same; what it loses is the fusion of the layer's
-    last kernel with the tail's first, and it saves compiling the layer's kernels again."""
+    communication between, or when it returns fewer values (nothing reads the residual
+    stream after the last layer): its first part then runs as the other region, and only
+    the tail is new. The cut is made only where the first part's key equals the other
+    region's, so the computation is the same; it gives up the fusion of the layer's last
+    kernel with the tail's first, and saves compiling the layer's region again."""
     patterns: dict[tuple, Region] = {}
     for step in steps:
         if isinstance(step, Region) and step.generated > 1:
