@@ -118,6 +118,13 @@ def outside_fake_mode() -> contextlib.AbstractContextManager:
     return unset_fake_temporarily()
 
 
+def default_store():
+    """The default process group's key-value store (shared by every rank of the job)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def boxed_nop(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     """The 'eager' lowering: run the graph module as is, in aot_autograd's boxed convention."""
     from torch._functorch.aot_autograd import make_boxed_func

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from graphshard import _compat
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute
-from graphshard.lowering import lower_regions, split_work, whole_graph_reason
+from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
@@ -191,17 +191,37 @@ def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphR
 
 
 def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
+    partitioned = False  # the post-partition passes ran when the joint graph was partitioned
+    ahead: dict = {}     # the backward's regions, compiled with the forward's
+
+    def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+        nonlocal partitioned, ahead
+        base = (_compat.inductor_partition_fn if ctx.config.lower == "inductor"
+                else _compat.min_cut_rematerialization_partition)
+        fw, bw = base(joint, joint_inputs, **kwargs)
+        ctx.stage = "forward"
+        fw = run_passes(fw, ctx, post_partition_passes())
+        ctx.stage = "backward"
+        bw = run_passes(bw, ctx, post_partition_passes())
+        partitioned = True
+        if (ctx.config.lower == "inductor" and ctx.config.regional and _shared_compile(ctx.config.share_compile)
+                and _lowers_by_region(fw) and _lowers_by_region(bw)):
+            ahead = plan_regions(bw, is_backward=True)[3]
+        return fw, bw
+
     def stage_compiler(stage: str):
         def compile_graph(g: fx.GraphModule, inputs):
             start = time.perf_counter()
             ctx.stage = stage
-            g = run_passes(g, ctx, post_partition_passes())
+            if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
+                g = run_passes(g, ctx, post_partition_passes())
             if ctx.config.lower == "eager":
                 compiled = _compat.boxed_nop(g, inputs)
             elif ctx.config.regional and not _whole_graph(g, stage, ctx):
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, compile_threads=_compile_threads()):
                     compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
-                                                            share=_shared_compile(ctx.config.share_compile))
+                                                            share=_shared_compile(ctx.config.share_compile),
+                                                            ahead=ahead if stage == "forward" else None)
                 ctx.report.lowered_order[stage] = order
                 ctx.report.regions[stage] = counts
                 if ctx.config.dump_graphs:
@@ -224,10 +244,13 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         fake_inputs,
         fw_compiler=stage_compiler("forward"),
         bw_compiler=stage_compiler("backward"),
-        partition_fn=(_compat.inductor_partition_fn if ctx.config.lower == "inductor"
-                      else _compat.min_cut_rematerialization_partition),
+        partition_fn=partition,
         decompositions=decomps,
     )
+
+
+def _lowers_by_region(g: fx.GraphModule) -> bool:
+    return whole_graph_reason(g) is None
 
 
 def _whole_graph(g: fx.GraphModule, stage: str, ctx: PassContext) -> bool:
@@ -271,20 +294,35 @@ def _compile_threads() -> int:
     return max(1, cores // (local[1] if local else 1))
 
 
+_shared_phases = itertools.count()
+
+
 def _shared_compile(enabled: bool):
-    """Regional lowering's division of work: the distinct regions are dealt out to the
-    local ranks by cost (`lowering.split_work`); each compiles its share into the shared
-    on-disk cache and, after a barrier, loads the others' regions from it. Every rank
-    passes exactly one barrier per graph."""
+    """Regional lowering's division of work between the local ranks: each claims the next
+    region no rank has taken from a counter in the process group's store (an atomic add),
+    compiles it into the shared on-disk cache, and claims again; after a barrier it loads
+    the others' regions from the cache. A rank that reaches the compile late (tracing ran
+    slower there) simply claims less. Every rank passes exactly one barrier per graph and
+    runs the same phases in the same order, so the counters' names agree across ranks."""
     local = _local_ranks() if enabled and _compat.inductor_fx_graph_cache_enabled() else None
     if local is None:
         return None
-    rank, n = local
 
-    def share(costs: list[int]) -> tuple[list[int], Callable[[], None]]:
-        return split_work(costs, n)[rank], _barrier
+    def share(n: int) -> tuple[Callable[[], int | None], Callable[[], None]]:
+        node = os.environ.get("GROUP_RANK", "0")  # local ranks share a cache; other machines count apart
+        return claims(_compat.default_store(), f"graphshard/compile/{node}/{next(_shared_phases)}", n), _barrier
 
     return share
+
+
+def claims(store, key: str, n: int) -> Callable[[], int | None]:
+    """``claim()`` over a store counter: the indices 0..n-1, each handed to exactly one caller
+    among all that share ``store`` and ``key``, then None."""
+    def claim() -> int | None:
+        i = store.add(key, 1) - 1
+        return i if i < n else None
+
+    return claim
 
 
 @contextlib.contextmanager

@@ -385,35 +385,28 @@ def _eager_region(region: Region) -> Callable:
     return run
 
 
-def split_work(costs: list[int], n: int) -> list[list[int]]:
-    """Indices of ``costs`` for each of ``n`` workers, largest first to the least loaded
-    (longest-processing-time scheduling): every worker gets work while there is some."""
-    loads = [0] * n
-    shares: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        w = min(range(n), key=lambda w: (loads[w], w))
-        loads[w] += costs[i]
-        shares[w].append(i)
-    return shares
+@dataclass
+class RegionWork:
+    """One distinct region to compile: its module, example inputs, cost (ops Inductor
+    generates code for) and which graph it belongs to."""
+
+    module: fx.GraphModule
+    inputs: list
+    cost: int
+    is_backward: bool
+
+    def compile(self) -> Callable:
+        return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward)
 
 
-def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
-                  share: Callable[[list[int]], tuple[list[int], Callable[[], None]]] | None = None,
-                  ) -> tuple[Callable, list[str], dict[str, int]]:
-    """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
-    order of communication and compute it runs, and region counts for the report.
-
-    ``share(costs)``, when given, splits the compile work between the local ranks: given
-    the cost of each distinct region (the ops Inductor generates code for), it returns
-    the indices of those this rank compiles first and a ``wait()`` that returns once
-    every local rank has compiled its share into the shared on-disk cache; the remaining
-    regions are then loaded from that cache (``backend._shared_compile``).
-    """
+def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
+                 ) -> tuple[list[fx.Node | Region], list[str], dict[str, int], dict[tuple, RegionWork]]:
+    """``gm`` cut into steps, with the order of communication and compute they run, region
+    counts for the report, and the distinct regions to compile by key."""
     steps = split_regions(gm.graph)
     order: list[str] = []
     counts = {"regions": 0, "compiled": 0, "eager": 0}
-    todo: dict[tuple, tuple[fx.GraphModule, list]] = {}
-    cost: dict[tuple, int] = {}
+    work: dict[tuple, RegionWork] = {}
     for step in steps:
         if not isinstance(step, Region):
             name = _aten_name(step) or str(step.target)
@@ -428,26 +421,47 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
             counts["eager"] += 1
             continue
         step.key = step.signature()
-        if step.key not in todo:
+        if step.key not in work:
             rgm = region_module(step)
-            todo[step.key] = (rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")])
-            cost[step.key] = generated
-    counts["compiled"] = len(todo)
+            work[step.key] = RegionWork(rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")],
+                                        generated, is_backward)
+    counts["compiled"] = len(work)
+    return steps, order, counts, work
 
-    def compile_one(key):
-        rgm, inputs = todo[key]
-        return _compat.inductor_compile_region(rgm, inputs, is_backward=is_backward)
 
+def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
+                  share: Callable[[int], tuple[Callable[[], int | None], Callable[[], None]]] | None = None,
+                  ahead: dict[tuple, RegionWork] | None = None,
+                  ) -> tuple[Callable, list[str], dict[str, int]]:
+    """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
+    order of communication and compute it runs, and region counts for the report.
+
+    ``share(n)``, when given, splits the compile work between the local ranks. It returns
+    ``claim()``, which hands this rank the index of the next of ``n`` regions no rank has
+    taken yet (None when all are taken), and ``wait()``, which returns once every local
+    rank has compiled what it claimed into the shared on-disk cache. Regions are claimed
+    largest first (by the ops Inductor generates code for), so a rank that starts late,
+    or draws a small region, takes more. The rest are then loaded from the cache
+    (``backend._shared_compile``). ``ahead`` are another graph's regions (the backward's,
+    known once the joint graph is partitioned), claimed after this graph's: the ranks
+    compile them in this phase, and the backward finds them in the cache.
+    """
+    steps, order, counts, work = plan_regions(gm, is_backward=is_backward)
     compiled: dict[tuple, Callable] = {}
-    keys = list(todo)
     if share is not None:
-        mine, wait = share([cost[k] for k in keys])
-        for i in mine:
-            compiled[keys[i]] = compile_one(keys[i])
+        # This graph's regions first (it runs next), each group largest first.
+        dealt = sorted(work.items(), key=lambda kw: -kw[1].cost)
+        dealt += sorted(((k, w) for k, w in (ahead or {}).items() if k not in work), key=lambda kw: -kw[1].cost)
+        claim, wait = share(len(dealt))
+        while (i := claim()) is not None:
+            key, w = dealt[i]
+            fn = w.compile()
+            if key in work:
+                compiled[key] = fn
         wait()
-    for key in keys:
+    for key, w in work.items():
         if key not in compiled:
-            compiled[key] = compile_one(key)
+            compiled[key] = w.compile()
     program = RegionalProgram(gm.graph, steps, compiled)
     _compat.report_output_strides(gm)
     return program, order, counts

@@ -34,6 +34,18 @@ def test_no_recompile_over_steps_and_no_graph_breaks():
     assert sum(dynamo_counters()["graph_break"].values()) == 0
 
 
+def test_compile_claims_hand_each_region_to_one_rank():
+    # Two ranks claiming from one store counter, one of them faster: every region is taken
+    # exactly once, in order (regions are sorted largest first), and then both get None.
+    from graphshard.backend import claims
+
+    store = torch.distributed.HashStore()
+    fast, slow = claims(store, "phase0", 5), claims(store, "phase0", 5)
+    taken = [fast(), fast(), slow(), fast(), slow(), fast(), slow()]
+    assert taken == [0, 1, 2, 3, 4, None, None]
+    assert claims(store, "phase1", 1)() == 0  # a new phase counts from zero
+
+
 def test_torch_compile_by_backend_name_on_a_prepared_model():
     model = graphshard.shard(mlp(), graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}))
     compiled = torch.compile(model, backend="graphshard", options={"lower": "eager"})

@@ -7,7 +7,7 @@ from expecttest import TestCase
 
 import graphshard
 from _models import fsdp_plan, seeded, stack
-from graphshard.lowering import split_work, whole_graph_reason
+from graphshard.lowering import whole_graph_reason
 
 
 def _lowered(model, **kwargs) -> dict[str, str]:
@@ -153,12 +153,6 @@ region r1(3 in, 4 out): mm, relu, add, var_mean, add, rsqrt, sub, mul
 region r1(3 in, 4 out, 1 unread): mm, relu, add, var_mean, add, rsqrt, sub, mul
 region r2(1 in, 1 out): tanh, mul, sub
 region r3(10 in, 9 out): mul, sum, div, le, div, le, div, le, div, le""")
-
-    def test_split_work(self):
-        # Largest first, each to the least loaded rank; every rank gets work while there is some.
-        self.assertEqual(split_work([1, 110, 88, 18], 2), [[1], [2, 3, 0]])
-        self.assertEqual(split_work([5, 5, 5], 4), [[0], [1], [2], []])
-        self.assertEqual(split_work([], 2), [[], []])
 
     def test_symbolic_shapes_lower_whole(self):
         # A region could use a size symbol that only another region's inputs bind.
