@@ -10,7 +10,8 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
   ``limit_all_gathers - 1`` ahead of it);
 - every wait sits right before its first use;
 - reduce-scatters and all-reduces of gradients start as soon as their inputs
-  exist, and their waits sink as late as possible (before the graph's output).
+  exist; each one's wait comes right after the next of its kind starts (at most
+  two in flight, as FSDP2 keeps them), the last one's before the graph's output.
 
 The order is a priority topological sort, so data dependencies always hold.
 """
@@ -97,11 +98,28 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             for n in _exclusive_prep(s) + [s]:
                 key[n] = -math.inf
             key[w] = math.inf
+    if ctx.stage == "backward":
+        _bound_reductions(starts, key, extra_deps)
 
     order = _priority_topo(nodes, key, extra_deps)
     _reorder(g, order)
     _record(gm, ctx, gathers)
     return gm
+
+
+def _bound_reductions(starts: list[fx.Node], key: dict, extra_deps: dict) -> None:
+    """At most two gradient reductions of a kind in flight, as FSDP2 keeps them: the wait
+    of one is issued right after the next one starts. The reduction then has the next
+    unit's backward to finish in, and its full-size input buffer is freed there instead
+    of every unit's staying alive until the end of the backward."""
+    for kind in ("reduce_scatter", "all_reduce"):
+        reds = [s for s in starts if _STARTS[s.target] == kind and _wait_of(s) is not None]
+        for prev, nxt in zip(reds, reds[1:]):
+            w = _wait_of(prev)
+            if w in _ancestors(nxt):
+                continue  # already ordered by data
+            extra_deps.setdefault(w, []).append(nxt)
+            key[w] = -math.inf
 
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,

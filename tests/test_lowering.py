@@ -99,15 +99,15 @@ region r1(4 in, 2 out): full, mm, le, where, mm
 pack_grads
 reduce_scatter_tensor
 wait_tensor
+unpack_reduced
+getitem 0
+eager(1 in, 1 out): views
+wait_tensor
 unpack
 getitem 0
 region r1(4 in, 2 out, 1 unread): full, mm, le, where, mm
 pack_grads
 reduce_scatter_tensor
-wait_tensor
-unpack_reduced
-getitem 0
-eager(1 in, 1 out): views
 wait_tensor
 unpack_reduced
 getitem 0

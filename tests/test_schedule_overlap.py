@@ -52,6 +52,8 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_backward_prefetches_and_reduce_scatters_early(self):
+        # Each reduce-scatter starts as soon as its unit's gradients exist; its wait comes
+        # right after the next unit's reduce-scatter starts (at most two in flight).
         g = compiled_stages(stack(), fsdp_plan(), (torch.randn(4, 8),))
         self.assertExpectedInline(g["backward"], """\
 class GraphModule(torch.nn.Module):
@@ -91,6 +93,12 @@ class GraphModule(torch.nn.Module):
         pack_grads_1: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_10], 4, [16], torch.float32);  t_10 = None
         # Annotation: {'graphshard_unit': 'layers.1'} recompute: MUST_SAVE
         reduce_scatter_tensor_1: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads_1, 'avg', 4, 'dp');  pack_grads_1 = None
+        # Annotation: {'graphshard_unit': 'layers.2'} recompute: MUST_SAVE
+        wait_tensor_3: "f32[16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor);  reduce_scatter_tensor = None
+        # Annotation: {'graphshard_unit': 'layers.2'}
+        unpack_reduced = torch.ops.graphshard.unpack_reduced.default(wait_tensor_3, [16], [16]);  wait_tensor_3 = None
+        getitem_3: "f32[16]" = unpack_reduced[0];  unpack_reduced = None
+        view_3: "f32[2, 8]" = torch.ops.aten.view.default(getitem_3, [2, 8]);  getitem_3 = None
         # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
         wait_tensor_1: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
         unpack_1 = torch.ops.graphshard.unpack.default(wait_tensor_1, 4, [16]);  wait_tensor_1 = None
@@ -110,12 +118,6 @@ class GraphModule(torch.nn.Module):
         pack_grads_2: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_13], 4, [16], torch.float32);  t_13 = None
         # Annotation: {'graphshard_unit': 'layers.0'} recompute: MUST_SAVE
         reduce_scatter_tensor_2: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads_2, 'avg', 4, 'dp');  pack_grads_2 = None
-        # Annotation: {'graphshard_unit': 'layers.2'} recompute: MUST_SAVE
-        wait_tensor_3: "f32[16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor);  reduce_scatter_tensor = None
-        # Annotation: {'graphshard_unit': 'layers.2'}
-        unpack_reduced = torch.ops.graphshard.unpack_reduced.default(wait_tensor_3, [16], [16]);  wait_tensor_3 = None
-        getitem_3: "f32[16]" = unpack_reduced[0];  unpack_reduced = None
-        view_3: "f32[2, 8]" = torch.ops.aten.view.default(getitem_3, [2, 8]);  getitem_3 = None
         # Annotation: {'graphshard_unit': 'layers.1'} recompute: MUST_SAVE
         wait_tensor_4: "f32[16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_1);  reduce_scatter_tensor_1 = None
         # Annotation: {'graphshard_unit': 'layers.1'}
@@ -142,7 +144,7 @@ class GraphModule(torch.nn.Module):
         compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),))
         report = model._graphshard.explain[0]
         self.assertExpectedInline(" -> ".join(report.order["forward"]), """all_gather(layers.0) -> wait(layers.0) -> all_gather(layers.1) -> compute -> wait(layers.1) -> all_gather(layers.2) -> compute -> wait(layers.2) -> compute""")
-        self.assertExpectedInline(" -> ".join(report.order["backward"]), """all_gather(layers.2) -> compute -> reduce_scatter(layers.2) -> wait(layers.2) -> all_gather(layers.1) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.2) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(" -> ".join(report.order["backward"]), """all_gather(layers.2) -> compute -> reduce_scatter(layers.2) -> wait(layers.2) -> all_gather(layers.1) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
 
 
 class TestInductorKeepsTheOrder(TestCase):
