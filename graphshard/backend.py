@@ -193,6 +193,7 @@ def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphR
 def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
+    share = _shared_compile(ctx.config.share_compile)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead
@@ -204,8 +205,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         ctx.stage = "backward"
         bw = run_passes(bw, ctx, post_partition_passes())
         partitioned = True
-        if (ctx.config.lower == "inductor" and ctx.config.regional and _shared_compile(ctx.config.share_compile)
-                and _lowers_by_region(fw) and _lowers_by_region(bw)):
+        if (ctx.config.lower == "inductor" and ctx.config.regional and share is not None
+                and whole_graph_reason(fw) is None and whole_graph_reason(bw) is None):
             ahead = plan_regions(bw, is_backward=True)[3]
         return fw, bw
 
@@ -220,7 +221,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             elif ctx.config.regional and not _whole_graph(g, stage, ctx):
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, compile_threads=_compile_threads()):
                     compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
-                                                            share=_shared_compile(ctx.config.share_compile),
+                                                            share=share,
                                                             ahead=ahead if stage == "forward" else None)
                 ctx.report.lowered_order[stage] = order
                 ctx.report.regions[stage] = counts
@@ -247,10 +248,6 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=partition,
         decompositions=decomps,
     )
-
-
-def _lowers_by_region(g: fx.GraphModule) -> bool:
-    return whole_graph_reason(g) is None
 
 
 def _whole_graph(g: fx.GraphModule, stage: str, ctx: PassContext) -> bool:
@@ -284,9 +281,8 @@ def _local_ranks() -> tuple[int, int] | None:
 
 def _compile_threads() -> int:
     """Inductor's compile workers per rank: the machine's cores divided between the local
-    ranks, which already compile side by side. Inductor's default (one worker per core in
-    every rank) oversubscribes the cores, and each rank starts its own pool of worker
-    processes. ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins."""
+    ranks, which already compile side by side; Inductor's default (one worker per core in
+    every rank) oversubscribes them. ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
         return int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -70,7 +70,9 @@ def whole_graph_reason(gm: fx.GraphModule) -> str | None:
         dims = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
         if not all(_compat.is_concrete_int(d) for d in dims if isinstance(d, (int, torch.SymInt))):
             return f"input {ph.name} has symbolic sizes"
-    for step in split_regions(gm.graph):
+    # Cutting a region after another's computation (``split_regions``) keeps its outputs
+    # among the two regions' own, so the plain cut at communication steps is enough here.
+    for step in _cut_at_communication(gm.graph, constant_nodes(gm.graph)):
         if isinstance(step, Region):
             for o in step.outputs:
                 if not isinstance(o.meta.get("val"), torch.Tensor):
@@ -143,6 +145,10 @@ def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
     """The graph as a sequence of communication nodes and compute regions, in graph order
     (placeholders and the output node excluded)."""
     constants = constant_nodes(graph)
+    return _reuse_prefixes(_cut_at_communication(graph, constants), constants)
+
+
+def _cut_at_communication(graph: fx.Graph, constants: dict[fx.Node, tuple]) -> list[fx.Node | Region]:
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     steps: list[fx.Node | Region] = []
     current: list[fx.Node] = []
@@ -163,7 +169,7 @@ def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
             current.append(node)
     if current:
         close()
-    return _reuse_prefixes(steps, constants)
+    return steps
 
 
 def _reuse_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tuple]) -> list[fx.Node | Region]:
