@@ -157,3 +157,41 @@ def current_mesh():
     from torch.distributed.device_mesh import _mesh_resources
 
     return _mesh_resources.get_current_mesh()
+
+
+class _LocalTensors(torch.autograd.Function):
+    """Every DTensor input's local tensor through one autograd node: one node per call
+    instead of one ``to_local`` node per parameter, and gradients wrapped back into
+    DTensors directly (FSDP2's ``_from_local_no_grad``), not through ``from_local``'s
+    autograd function. Same result as ``to_local()`` on each: a fresh alias of the local
+    tensor, whose gradient arrives as a DTensor with the input's spec."""
+
+    @staticmethod
+    def forward(ctx, *dtensors):
+        ctx.specs = [d._spec for d in dtensors]
+        # A fresh alias: autograd writes its metadata into the output, not into the DTensor's tensor.
+        outs = tuple(d._local_tensor.view_as(d._local_tensor) for d in dtensors)
+        ctx.mark_non_differentiable(*(o for o, d in zip(outs, dtensors) if not d.requires_grad))
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for g, spec in zip(grads, ctx.specs):
+            if g is None:
+                out.append(None)
+            elif g.dtype == spec.tensor_meta.dtype:
+                out.append(DTensor(g, spec, requires_grad=False))
+            else:  # a gradient in another dtype keeps the placements, with its own dtype
+                out.append(DTensor.from_local(g, spec.mesh, spec.placements, run_check=False,
+                                              shape=spec.shape, stride=spec.stride))
+        return tuple(out)
+
+
+def local_tensors(dtensors: list) -> tuple[torch.Tensor, ...]:
+    """``[d.to_local() for d in dtensors]`` with one autograd node for all of them."""
+    if not dtensors:
+        return ()
+    return _LocalTensors.apply(*dtensors)

@@ -60,10 +60,13 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
     if not prepared.dtensor_positions and not dtensor_outputs:
         return compiled
-    positions = frozenset(prepared.dtensor_positions)
+    positions = prepared.dtensor_positions
 
     def run(*args):
-        outs = compiled(*[a.to_local() if i in positions else a for i, a in enumerate(args)])
+        args = list(args)
+        for i, local in zip(positions, _compat.local_tensors([args[i] for i in positions])):
+            args[i] = local
+        outs = compiled(*args)
         if not dtensor_outputs:
             return outs
         outs = list(outs)

@@ -97,3 +97,38 @@ class TestExplainAndMixedPrecision(TestCase):
         graphshard.compile(model2, plan, lower="eager")
         model2(torch.randn(2, 8))
         self.assertIn("aten.cumsum.default at node 'cumsum': no placement rule", graphshard.explain(model2))
+
+
+def test_dtensor_boundary_gives_each_parameter_its_gradient_as_a_dtensor():
+    # The compiled function's inputs are the parameters' local tensors, taken through one
+    # autograd node; each gradient comes back as a DTensor with its parameter's spec, and a
+    # frozen parameter's local tensor takes no gradient.
+    from torch.distributed.tensor import DTensor
+
+    from graphshard._compat import local_tensors
+
+    model = mlp()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    model.fc2.bias.requires_grad_(False)
+    params = dict(model.named_parameters())
+    locals_ = local_tensors(list(params.values()))
+    for (name, p), local in zip(params.items(), locals_):
+        assert torch.equal(local, p.to_local()) and local.requires_grad == p.requires_grad, name
+        assert local.data_ptr() == p.to_local().data_ptr(), name  # an alias, not a copy
+    torch.autograd.backward([t for t in locals_ if t.requires_grad],
+                            [torch.full_like(t, i + 1.0) for i, t in enumerate(locals_) if t.requires_grad])
+
+    def check(expected_value):
+        for i, (name, p) in enumerate(params.items()):
+            if not p.requires_grad:
+                assert p.grad is None, name
+                continue
+            assert isinstance(p.grad, DTensor), name
+            assert (p.grad.placements, p.grad.shape, p.grad.device_mesh) == (p.placements, p.shape, p.device_mesh), name
+            if expected_value:
+                assert torch.equal(p.grad.to_local(), torch.full_like(p.to_local(), i + 1.0)), name
+
+    check(expected_value=True)
+    model.zero_grad()
+    model(torch.randn(4, 16)).sum().backward()  # the same boundary, inside the compiled model
+    check(expected_value=False)
