@@ -124,7 +124,8 @@ class Region:
     outputs: list[fx.Node]
     own: list[fx.Node] = field(default_factory=list)  # the graph's nodes it was cut from
     key: tuple = ()  # set when the region is compiled
-    _signature: tuple | None = field(default=None, repr=False)
+    _module: fx.GraphModule | None = field(default=None, init=False, repr=False)
+    _signature: tuple | None = field(default=None, init=False, repr=False)
 
     @property
     def matmuls(self) -> int:
@@ -134,10 +135,16 @@ class Region:
     def generated(self) -> int:
         return _generated_ops(self.nodes)
 
+    def module(self) -> fx.GraphModule:
+        """The region as its own graph (``region_module``), built once."""
+        if self._module is None:
+            self._module = region_module(self)
+        return self._module
+
     def signature(self) -> tuple:
         """The key the region compiles under (``region_key`` of its module)."""
         if self._signature is None:
-            self._signature = region_key(region_module(self))
+            self._signature = region_key(self.module())
         return self._signature
 
 
@@ -217,7 +224,7 @@ def _cut_after(region: Region, pattern: Region, constants: dict[fx.Node, tuple])
     outputs = [body[position[o]] for o in pattern.outputs]
     if not set(first.outputs) <= set(outputs):
         return None
-    first.outputs = outputs
+    first = Region(first.nodes, first.inputs, outputs, own=first.own)
     if first.signature() != pattern.signature():
         return None
     rest = _region([n for n in region.own if n in constants] + body[len(head):], constants)
@@ -380,8 +387,7 @@ def _resolve(template, env: list):
 
 def _eager_region(region: Region) -> Callable:
     """A region with nothing to generate (views, library calls): run its ATen calls directly."""
-    gm = region_module(region)
-    forward = gm.forward
+    forward = region.module().forward
 
     def run(boxed: list):
         outs = forward(*boxed)
@@ -428,7 +434,7 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
             continue
         step.key = step.signature()
         if step.key not in work:
-            rgm = region_module(step)
+            rgm = step.module()
             work[step.key] = RegionWork(rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")],
                                         generated, is_backward)
     counts["compiled"] = len(work)
