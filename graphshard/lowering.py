@@ -16,6 +16,8 @@ compiler again. Here the graph is cut at its communication ops instead:
 * a region that begins with another region's whole computation (the last layer,
   which runs on into the model's tail or returns fewer values) is cut after it and
   runs as that region;
+* two regions that begin with the same long computation and then differ (the first
+  layer's backward against the others') are both cut after it, so it compiles once;
 * communication steps run as they would in Inductor's generated code (the same
   functional-collective calls), in the scheduled order, so the overlap the
   schedule chose is kept by construction.
@@ -152,7 +154,7 @@ def split_regions(graph: fx.Graph) -> list[fx.Node | Region]:
     """The graph as a sequence of communication nodes and compute regions, in graph order
     (placeholders and the output node excluded)."""
     constants = constant_nodes(graph)
-    return _reuse_prefixes(_cut_at_communication(graph, constants), constants)
+    return _share_prefixes(_reuse_prefixes(_cut_at_communication(graph, constants), constants), constants)
 
 
 def _cut_at_communication(graph: fx.Graph, constants: dict[fx.Node, tuple]) -> list[fx.Node | Region]:
@@ -201,6 +203,46 @@ def _reuse_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tupl
             parts = next((p for pattern in by_size if pattern.signature() != step.signature()
                           for p in [_cut_after(step, pattern, constants)] if p), None)
         out.extend(parts or [step])
+    return out
+
+
+def _share_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tuple],
+                    min_share: float = 0.75) -> list[fx.Node | Region]:
+    """Cuts two regions of different keys that begin with the same long computation after
+    it, so that it compiles once and only the two short tails differ. The first layer's
+    backward is the case: the partitioner saves other values for that layer's first norm
+    (the embeddings' sum, from which it recomputes the normalised input, where the other
+    layers save the normalised input itself), so the region's last few nodes differ from
+    the other layers' and the whole layer would otherwise be compiled twice. The cut is
+    made only where the shared part is at least ``min_share`` of the smaller region's
+    generated ops and has the same key in both; it gives up the fusion across the cut."""
+    reps: dict[tuple, Region] = {}
+    for step in steps:
+        if isinstance(step, Region) and step.generated > 1:
+            reps.setdefault(step.signature(), step)
+    cuts: dict[tuple, int] = {}
+    keys = list(reps)
+    for i, ka in enumerate(keys):
+        for kb in keys[i + 1:]:
+            if ka in cuts or kb in cuts:
+                continue
+            a, b = _body(reps[ka], constants), _body(reps[kb], constants)
+            n = next((j for j, (x, y) in enumerate(zip(a, b)) if x.target != y.target), min(len(a), len(b)))
+            if n in (len(a), len(b)) or _generated_ops(a[:n]) < min_share * min(_generated_ops(a), _generated_ops(b)):
+                continue
+            if _region(a[:n], constants).signature() == _region(b[:n], constants).signature():
+                cuts[ka] = cuts[kb] = n
+    if not cuts:
+        return steps
+    out: list[fx.Node | Region] = []
+    for step in steps:
+        n = cuts.get(step.signature()) if isinstance(step, Region) and step.generated > 1 else None
+        if n is None:
+            out.append(step)
+            continue
+        body = _body(step, constants)
+        out += [_region(body[:n], constants),
+                _region([m for m in step.own if m in constants] + body[n:], constants)]
     return out
 
 

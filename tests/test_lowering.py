@@ -8,6 +8,7 @@ from expecttest import TestCase
 import graphshard
 from _models import fsdp_plan, seeded, stack
 from graphshard.lowering import whole_graph_reason
+from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
 
 def _lowered(model, **kwargs) -> dict[str, str]:
@@ -153,6 +154,31 @@ region r1(3 in, 4 out): mm, relu, add, var_mean, add, rsqrt, sub, mul
 region r1(3 in, 4 out, 1 unread): mm, relu, add, var_mean, add, rsqrt, sub, mul
 region r2(1 in, 1 out): tanh, mul, sub
 region r3(10 in, 9 out): mul, sum, div, le, div, le, div, le, div, le""")
+
+    def test_first_layer_shares_the_layers_backward_region(self):
+        # The partitioner saves other values for the first layer's first norm (the two
+        # embeddings, from which it recomputes the normalised input, where the other layers
+        # save the normalised input itself), so the first layer's backward region differs
+        # from the others' only in its last nodes. Both are cut after their common part,
+        # which all layers share (r1); only the two short tails are compiled apart.
+        model = seeded(Transformer, TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=4, max_seq_len=8))
+        x, y = token_batch(0, 8, 8, 32)
+        with tempfile.TemporaryDirectory() as d:
+            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d)
+            lm_loss(model(x), y).backward()
+            (path,) = glob.glob(os.path.join(d, "g*_backward_regions.txt"))
+            with open(path) as f:
+                listing = f.read()
+        self.assertExpectedInline("\n".join(line.split(":")[0] for line in listing.splitlines()
+                                            if line.startswith("region")), """\
+region r0(5 in, 4 out)
+region r1(23 in, 15 out)
+region r2(6 in, 3 out)
+region r1(23 in, 15 out)
+region r2(6 in, 3 out)
+region r1(23 in, 15 out)
+region r3(8 in, 3 out)
+region r4(11 in, 8 out)""")
 
     def test_symbolic_shapes_lower_whole(self):
         # A region could use a size symbol that only another region's inputs bind.
