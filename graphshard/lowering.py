@@ -189,10 +189,7 @@ def _reuse_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tupl
     the tail is new. The cut is made only where the first part's key equals the other
     region's, so the computation is the same; it gives up the fusion of the layer's last
     kernel with the tail's first, and saves compiling the layer's region again."""
-    patterns: dict[tuple, Region] = {}
-    for step in steps:
-        if isinstance(step, Region) and step.generated > 1:
-            patterns.setdefault(step.signature(), step)
+    patterns = _compiled_by_key(steps)
     if len(patterns) < 2:
         return steps
     by_size = sorted(patterns.values(), key=lambda r: -len(_body(r, constants)))
@@ -216,10 +213,7 @@ def _share_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tupl
     the other layers' and the whole layer would otherwise be compiled twice. The cut is
     made only where the shared part is at least ``min_share`` of the smaller region's
     generated ops and has the same key in both; it gives up the fusion across the cut."""
-    reps: dict[tuple, Region] = {}
-    for step in steps:
-        if isinstance(step, Region) and step.generated > 1:
-            reps.setdefault(step.signature(), step)
+    reps = _compiled_by_key(steps)
     cuts: dict[tuple, int] = {}
     keys = list(reps)
     for i, ka in enumerate(keys):
@@ -240,14 +234,26 @@ def _share_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tupl
         if n is None:
             out.append(step)
             continue
-        body = _body(step, constants)
-        out += [_region(body[:n], constants),
-                _region([m for m in step.own if m in constants] + body[n:], constants)]
+        out += [_region(_body(step, constants)[:n], constants), _after(step, n, constants)]
     return out
+
+
+def _compiled_by_key(steps: list[fx.Node | Region]) -> dict[tuple, Region]:
+    """The first region of each key among those Inductor compiles (more than one generated op)."""
+    regions: dict[tuple, Region] = {}
+    for step in steps:
+        if isinstance(step, Region) and step.generated > 1:
+            regions.setdefault(step.signature(), step)
+    return regions
 
 
 def _body(region: Region, constants: dict[fx.Node, tuple]) -> list[fx.Node]:
     return [n for n in region.own if n not in constants]
+
+
+def _after(region: Region, n: int, constants: dict[fx.Node, tuple]) -> Region:
+    """The rest of ``region`` after the first ``n`` nodes of its body, with the constants it made."""
+    return _region([m for m in region.own if m in constants] + _body(region, constants)[n:], constants)
 
 
 def _cut_after(region: Region, pattern: Region, constants: dict[fx.Node, tuple]) -> list[Region] | None:
@@ -269,7 +275,7 @@ def _cut_after(region: Region, pattern: Region, constants: dict[fx.Node, tuple])
     first = Region(first.nodes, first.inputs, outputs, own=first.own)
     if first.signature() != pattern.signature():
         return None
-    rest = _region([n for n in region.own if n in constants] + body[len(head):], constants)
+    rest = _after(region, len(head), constants)
     return [first, rest] if rest.outputs or len(body) > len(head) else [first]
 
 
