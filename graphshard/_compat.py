@@ -190,6 +190,14 @@ class _LocalTensors(torch.autograd.Function):
         return tuple(out)
 
 
+def fake_local(dtensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """The fake of ``dtensor``'s local shard, as a fresh leaf with the DTensor's ``requires_grad``.
+    Dynamo fakeified the shard along with the DTensor, so the mode's memo already holds it;
+    ``to_local()`` makes a new alias on every call, which the mode would convert afresh
+    (describing it as a view of its base: ~5 ms per parameter on a CPU)."""
+    return fake_mode.from_tensor(dtensor._local_tensor).detach().requires_grad_(dtensor.requires_grad)
+
+
 def local_tensors(dtensors: list) -> tuple[torch.Tensor, ...]:
     """``[d.to_local() for d in dtensors]`` with one autograd node for all of them."""
     if not dtensors:

@@ -149,7 +149,7 @@ def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
 
 def _fake_local(x, fake_mode):
     if isinstance(x, DTensor):
-        x = x.to_local()
+        return _compat.fake_local(x, fake_mode)
     if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
         x = fake_mode.from_tensor(x)
     return x
