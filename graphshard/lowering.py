@@ -213,14 +213,14 @@ def _share_prefixes(steps: list[fx.Node | Region], constants: dict[fx.Node, tupl
     the other layers' and the whole layer would otherwise be compiled twice. The cut is
     made only where the shared part is at least ``min_share`` of the smaller region's
     generated ops and has the same key in both; it gives up the fusion across the cut."""
-    reps = _compiled_by_key(steps)
+    bodies = {key: _body(region, constants) for key, region in _compiled_by_key(steps).items()}
     cuts: dict[tuple, int] = {}
-    keys = list(reps)
+    keys = list(bodies)
     for i, ka in enumerate(keys):
         for kb in keys[i + 1:]:
             if ka in cuts or kb in cuts:
                 continue
-            a, b = _body(reps[ka], constants), _body(reps[kb], constants)
+            a, b = bodies[ka], bodies[kb]
             n = next((j for j, (x, y) in enumerate(zip(a, b)) if x.target != y.target), min(len(a), len(b)))
             if n in (len(a), len(b)) or _generated_ops(a[:n]) < min_share * min(_generated_ops(a), _generated_ops(b)):
                 continue
