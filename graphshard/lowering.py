@@ -513,11 +513,12 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
         dealt = sorted(work.items(), key=lambda kw: -kw[1].cost)
         dealt += sorted(((k, w) for k, w in (ahead or {}).items() if k not in work), key=lambda kw: -kw[1].cost)
         claim, wait = share(len(dealt))
-        while (i := claim()) is not None:
-            key, w = dealt[i]
-            fn = w.compile()
-            if key in work:
-                compiled[key] = fn
+        with _compat.batched_cpp_kernels(defer=True):  # one C++ build for all this rank claims
+            while (i := claim()) is not None:
+                key, w = dealt[i]
+                fn = w.compile()
+                if key in work:
+                    compiled[key] = fn
         wait()
     for key, w in work.items():
         if key not in compiled:

@@ -1,0 +1,113 @@
+"""C++ kernels built together (``_compat.batched_cpp_kernels``): one library per generated
+module, one per deferred block, found again through the kernel index, and Inductor's own
+per-kernel build whenever the batch cannot take a kernel."""
+
+import os
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from graphshard import _compat
+
+
+def _two_kernels(x):
+    # A matmul between two pointwise/reduction steps: a C++ kernel on each side.
+    y = torch.tanh(x + 0.625)
+    return torch.softmax((y @ y.t()) * 1.375, dim=-1), y
+
+
+def _other_kernels(x):
+    y = torch.sigmoid(x - 0.8125)
+    return torch.cos(y.t() @ y) * 2.75, y
+
+
+def _index(cache: str) -> dict[str, str]:
+    """Kernel index entries: kernel identity -> library path."""
+    root = os.path.join(cache, "graphshard_kernels")
+    if not os.path.isdir(root):
+        return {}
+    out = {}
+    for name in os.listdir(root):
+        with open(os.path.join(root, name)) as f:
+            out[name] = f.read().split("\n")[0]
+    return out
+
+
+def _compiled(fn, x, **batch):
+    torch._dynamo.reset()
+    with _compat.batched_cpp_kernels(**batch):
+        return torch.compile(fn, backend="inductor")(x)
+
+
+class KernelBatchTest(TestCase):
+    def setUp(self):
+        self.cache = tempfile.mkdtemp()
+        patches = [mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": self.cache}),
+                   _compat.inductor_config_patch(fx_graph_cache=False)]
+        for p in patches:
+            p.__enter__()
+            self.addCleanup(p.__exit__, None, None, None)
+        self.x = torch.randn(16, 40)
+
+    def assert_matches(self, got, fn):
+        for g, want in zip(got, fn(self.x)):
+            torch.testing.assert_close(g, want)
+
+    def test_one_library_per_module(self):
+        self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
+        index = _index(self.cache)
+        self.assertGreaterEqual(len(index), 2)  # every kernel of the module is indexed ...
+        self.assertEqual(len(set(index.values())), 1)  # ... in one library
+
+    def test_deferred_block_builds_once(self):
+        torch._dynamo.reset()
+        with _compat.batched_cpp_kernels(defer=True):
+            a = torch.compile(_two_kernels, backend="inductor")
+            b = torch.compile(_other_kernels, backend="inductor")
+            # Each compile runs its graph once; the kernels it calls build early, the rest at the end.
+            ga, gb = a(self.x), b(self.x)
+        self.assert_matches(ga, _two_kernels)
+        self.assert_matches(gb, _other_kernels)
+        self.assert_matches(a(self.x), _two_kernels)
+        self.assert_matches(b(self.x), _other_kernels)
+        self.assertGreaterEqual(len(_index(self.cache)), 4)
+
+    def test_deferred_block_without_calls_builds_one_library(self):
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        decomp = _compat.inductor_decompositions()
+        gms = [_compat.make_fx(fn, decomposition_table=decomp)(self.x) for fn in (_two_kernels, _other_kernels)]
+        with _compat.batched_cpp_kernels(defer=True):
+            compiled = [compile_fx_inner(gm, [self.x]) for gm in gms]
+        index = _index(self.cache)
+        self.assertGreaterEqual(len(index), 4)
+        self.assertEqual(len(set(index.values())), 1)
+        for c, fn in zip(compiled, (_two_kernels, _other_kernels)):
+            self.assert_matches(c([self.x]), fn)
+
+    def test_index_serves_a_second_compile(self):
+        self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
+        built = []
+        real = _compat._build_kernels
+        with mock.patch.object(_compat, "_build_kernels", lambda ks: built.append(len(ks)) or real(ks)):
+            self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
+        self.assertEqual(built, [])
+
+    def test_falls_back_to_inductor_per_kernel_build(self):
+        def unparsable(kernels):
+            raise ValueError("kernel argument type 'bool' is not one the batch parses")
+
+        with mock.patch.object(_compat, "_kernel_batch_source", unparsable):
+            self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
+        self.assertEqual(_index(self.cache), {})
+
+    def test_batch_source_names_each_kernel(self):
+        src = 'extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)\n{ }\n'
+        text = _compat._kernel_batch_source([(["const float*", "float*", "const int64_t"], src)] * 2)
+        self.assertIn("graphshard_k1::kernel_1(graphshard_arg_ptr<float*>(args, 0), "
+                      "graphshard_arg_ptr<float*>(args, 1), graphshard_arg_int64(args, 2))", text)
+        with pytest.raises(ValueError, match="'bool'"):
+            _compat._kernel_batch_source([(["bool"], src)])
