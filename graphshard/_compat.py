@@ -103,9 +103,11 @@ def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
 
 def inductor_cpu_warmup() -> None:
     """Starts, on a daemon thread, the check Inductor makes before its first C++ kernel:
-    which vector ISAs the compiler can build (a few seconds of gcc, cached per process
-    and on disk). Started when compilation begins, it overlaps tracing instead of
-    delaying the first region."""
+    which vector ISAs the compiler can build (~4 s of gcc on the 2-core machine, cached per
+    process and on disk, one rank builds while the others wait on its lock). Started when
+    the joint graph's partition begins, it runs beside the ranks' partitions; started
+    earlier it slows the tracing rank that builds it, and left to the first region's
+    codegen it leaves a core idle while the other ranks wait on the lock."""
     import threading
 
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
