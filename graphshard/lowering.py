@@ -520,9 +520,10 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
                 if key in work:
                     compiled[key] = fn
         wait()
-    for key, w in work.items():
-        if key not in compiled:
-            compiled[key] = w.compile()
+    with _compat.batched_cpp_kernels(defer=True):  # what is left (all of it without ``share``)
+        for key, w in work.items():
+            if key not in compiled:
+                compiled[key] = w.compile()
     program = RegionalProgram(gm.graph, steps, compiled)
     _compat.report_output_strides(gm)
     return program, order, counts
