@@ -7,7 +7,10 @@ so the rest of the package reads as if these were public.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -337,8 +340,6 @@ def _kernel_batch_source(kernels: list[tuple[list[str], str]]) -> str:
 
 
 def _kernel_index_dir() -> str:
-    import os
-
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return os.path.join(cache_dir(), "graphshard_kernels")
@@ -347,8 +348,6 @@ def _kernel_index_dir() -> str:
 def _kernel_idents(kernels: list[tuple[list[str], str]]) -> list[str]:
     """Index keys: the kernel with what else decides its build (torch, vector ISA, Inductor's
     configuration as its FX graph cache hashes it)."""
-    import hashlib
-
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -363,8 +362,6 @@ def _kernel_idents(kernels: list[tuple[list[str], str]]) -> list[str]:
 
 def _indexed_kernel(ident: str) -> Callable | None:
     """The kernel ``ident`` from a library an earlier batch built, if the index has it."""
-    import os
-
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     try:
@@ -377,9 +374,6 @@ def _indexed_kernel(ident: str) -> Callable | None:
 
 
 def _index_kernels(module, idents: list[str]) -> None:
-    import os
-    import tempfile
-
     root = _kernel_index_dir()
     os.makedirs(root, exist_ok=True)
     for i, ident in enumerate(idents):
@@ -389,15 +383,15 @@ def _index_kernels(module, idents: list[str]) -> None:
         os.replace(tmp, os.path.join(root, ident))
 
 
-def _build_kernels(kernels: list[tuple[list[str], str]]) -> list[Callable]:
-    """``kernels`` as one library (Inductor's own build for a single one), indexed."""
+def _build_kernels(kernels: list[tuple[list[str], str]], idents: list[str]) -> list[Callable]:
+    """``kernels`` as one library (Inductor's own build for a single one), indexed under ``idents``."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
     if len(kernels) > 1:
         try:
             module = CppPythonBindingsCodeCache.load_async(_kernel_batch_source(kernels), "cpu")()
             fns = [getattr(module, f"kernel_{i}") for i in range(len(kernels))]
-            _index_kernels(module, _kernel_idents(kernels))
+            _index_kernels(module, idents)
             return fns
         except Exception:  # Inductor's per-kernel build below is always a correct answer
             log.info("building %d C++ kernels one by one: their batch failed", len(kernels), exc_info=True)
@@ -424,15 +418,15 @@ class _KernelBatch:
         if start < len(self.kernels):
             idents = _kernel_idents(self.kernels[start:])
             fns += [_indexed_kernel(ident) for ident in idents]
-            first: dict[str, int] = {}  # a kernel asked for twice builds once
+            missing: dict[str, list[int]] = {}  # a kernel asked for twice builds once
             for i, ident in enumerate(idents, start):
                 if fns[i] is None:
-                    first.setdefault(ident, i)
-            built = _build_kernels([self.kernels[i] for i in first.values()]) if first else []
-            by_ident = dict(zip(first, built))
-            for i, ident in enumerate(idents, start):
-                if fns[i] is None:
-                    fns[i] = by_ident[ident]
+                    missing.setdefault(ident, []).append(i)
+            if missing:
+                built = _build_kernels([self.kernels[at[0]] for at in missing.values()], list(missing))
+                for at, fn in zip(missing.values(), built):
+                    for i in at:
+                        fns[i] = fn
         return fns
 
 
@@ -473,14 +467,16 @@ def batched_cpp_kernels(*, defer: bool = False):
         own_pybinding, own_wait = AsyncCompile.cpp_pybinding, AsyncCompile.wait
 
         def cpp_pybinding(self, argtypes, source_code):
-            batch = state.deferred or self.__dict__.setdefault("_graphshard_kernels", _KernelBatch())
+            batch = state.deferred
+            if batch is None:  # one batch per generated module (each makes its own AsyncCompile)
+                batch = self.__dict__.setdefault("_graphshard_kernels", _KernelBatch())
             return batch.add(argtypes, source_code)
 
         def wait(self, scope):
-            if state.deferred is not None and "_graphshard_kernels" not in self.__dict__:
-                state.scopes.append(scope)
-            elif (batch := self.__dict__.pop("_graphshard_kernels", None)) is not None:
+            if (batch := self.__dict__.pop("_graphshard_kernels", None)) is not None:
                 _patch_scope(scope, batch)
+            elif state.deferred is not None:  # patched when the deferred block ends
+                state.scopes.append(scope)
             return own_wait(self, scope)
 
         AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait

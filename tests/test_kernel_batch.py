@@ -92,7 +92,7 @@ class KernelBatchTest(TestCase):
         self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         built = []
         real = _compat._build_kernels
-        with mock.patch.object(_compat, "_build_kernels", lambda ks: built.append(len(ks)) or real(ks)):
+        with mock.patch.object(_compat, "_build_kernels", lambda ks, ids: built.append(len(ks)) or real(ks, ids)):
             self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         self.assertEqual(built, [])
 
