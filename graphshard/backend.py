@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
 from graphshard.config import CompileConfig
-from graphshard.explain import GraphReport, add_compute
+from graphshard.explain import GraphReport, add_compute, collective_kind
 from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
@@ -366,8 +366,7 @@ def lowered_collective_order(source: str) -> list[str]:
     for line in body.splitlines():
         m = _LOWERED_CALL.match(line)
         if m:
-            op = m.group(1)
-            events.append("wait" if op == "wait_tensor" else op.replace("_into_tensor", "").replace("_tensor", ""))
+            events.append(collective_kind(m.group(1)))
         elif _LOWERED_COMPUTE.match(line):
             add_compute(events)
     return events

@@ -55,6 +55,15 @@ class GraphReport:
         return "\n".join(lines)
 
 
+def collective_kind(op_name: str) -> str:
+    """An order listing's name for a ``_c10d_functional`` op: ``all_gather_into_tensor`` ->
+    ``all_gather``, ``reduce_scatter_tensor`` -> ``reduce_scatter``, ``all_to_all_single`` ->
+    ``all_to_all``, ``wait_tensor`` -> ``wait``."""
+    if op_name == "wait_tensor":
+        return "wait"
+    return op_name.replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
+
+
 def add_compute(events: list[str]) -> None:
     """Appends one compute event to an order listing, folding runs: compute, compute x2, ..."""
     if events and events[-1].startswith("compute"):

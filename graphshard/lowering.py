@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.explain import add_compute
+from graphshard.explain import add_compute, collective_kind
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -471,7 +471,7 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
         if not isinstance(step, Region):
             name = _aten_name(step) or str(step.target)
             if getattr(step.target, "namespace", None) == "_c10d_functional":
-                order.append("wait" if name == "wait_tensor" else name.replace("_into_tensor", "").replace("_tensor", ""))
+                order.append(collective_kind(name))
             continue
         counts["regions"] += 1
         for _ in range(step.matmuls):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from graphshard._compat import c10d
-from graphshard.params import ParamInfo, chunk_size, lookup
+from graphshard.params import AxisGroup, ParamInfo, chunk_size, lookup
 
 lib = torch.library.Library("graphshard", "DEF")
 lib.define("param(Tensor local, str key, SymInt[] shape) -> Tensor")
@@ -97,7 +97,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
 lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
 lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
-lib.define("unpack_reduced(Tensor buf, SymInt[] numels, SymInt[] keep) -> Tensor[]")
+lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
 
 
 @torch.library.impl(lib, "pack", "CompositeExplicitAutograd")
@@ -155,16 +155,28 @@ def _pack_grads_fake(grads, world, numels, dtype):
 
 
 @torch.library.impl(lib, "unpack_reduced", "CompositeExplicitAutograd")
-def _unpack_reduced(buf, numels, keep):
+def _unpack_reduced(buf, rows, numels, keep):
+    """Cuts the reduced bucket into its gradients: views of one new tensor, so the bucket is
+    copied (or averaged) in one pass. ``buf`` holds ``rows`` copies of the bucket (one per
+    source rank, from an all-to-all), averaged here; ``rows=1`` is a bucket the collective
+    already reduced."""
+    table = buf.view(rows, -1)
+    if rows == 1:
+        flat = table[0].clone()
+    else:
+        flat = torch.add(table[0], table[1])
+        for r in range(2, rows):
+            flat.add_(table[r])
+        flat.div_(rows)
     out, offset = [], 0
     for n, k in zip(numels, keep):
-        out.append(buf.narrow(0, offset, k).clone())
+        out.append(flat.narrow(0, offset, k))
         offset += n
     return out
 
 
 @torch.library.register_fake("graphshard::unpack_reduced")
-def _unpack_reduced_fake(buf, numels, keep):
+def _unpack_reduced_fake(buf, rows, numels, keep):
     return [buf.new_empty(k) for k in keep]
 
 
@@ -186,6 +198,17 @@ def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) ->
     return outs
 
 
+def _reduce_scatter_flat(buf: torch.Tensor, axis: AxisGroup) -> tuple[torch.Tensor, int]:
+    """Starts the reduce-scatter of a rank-major bucket over ``axis``. Returns the result and
+    how many rows of it ``unpack_reduced`` still averages: 1 after a reduce-scatter ("avg"),
+    ``world`` after an all-to-all (on gloo, ``AxisGroup.scatter_by_all_to_all``), where each
+    rank receives every rank's copy of its own shard."""
+    if axis.scatter_by_all_to_all:
+        split = [buf.numel() // axis.world] * axis.world
+        return _wait(c10d.all_to_all_single(buf, split, split, axis.group_name)), axis.world
+    return _wait(c10d.reduce_scatter_tensor(buf, "avg", axis.world, axis.group_name)), 1
+
+
 def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
     """Averages a unit's gradients over the data-parallel ranks in reduce_dtype:
     one reduce-scatter over the shard axis (FullyShard), one all-reduce per replicate axis."""
@@ -199,15 +222,17 @@ def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo
         numels = [info.chunk_rows * info.row_numel for info in infos]
         keep = [info.local_rows * info.row_numel for info in infos]
         buf = ops.pack_grads(grads, world, numels, first.reduce_dtype)
-        red = _wait(c10d.reduce_scatter_tensor(buf, "avg", world, first.shard.group_name))
+        red, rows = _reduce_scatter_flat(buf, first.shard)
+        if rows > 1 and first.replicate:  # average the rows before reducing over the other axes
+            red, rows = ops.unpack_reduced(red, rows, [sum(numels)], [sum(numels)])[0], 1
         shapes = [(info.local_rows, *info.dp_full_shape[1:]) for info in infos]
     else:
         numels = keep = [math.prod(info.dp_full_shape) for info in infos]
-        red = ops.pack(grads, numels, first.reduce_dtype)
+        red, rows = ops.pack(grads, numels, first.reduce_dtype), 1
         shapes = [info.dp_full_shape for info in infos]
     for axis in first.replicate:
         red = _wait(c10d.all_reduce(red, "avg", axis.group_name))
-    pieces = ops.unpack_reduced(red, numels, keep)
+    pieces = ops.unpack_reduced(red, rows, numels, keep)
     return [piece.view(shape).to(info.dtype) for piece, shape, info in zip(pieces, shapes, infos)]
 
 

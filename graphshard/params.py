@@ -26,6 +26,17 @@ class AxisGroup:
     group_name: str
     world: int
     rank: int
+    backend: str = ""
+    """The c10d backend that runs this axis's collectives on the mesh's device ("gloo", "nccl", ...)."""
+
+    @property
+    def scatter_by_all_to_all(self) -> bool:
+        """Lower a reduce-scatter as an all-to-all and a local sum of the received rows.
+
+        gloo has no reduce-scatter of its own: c10d runs it as an all-reduce of the whole
+        buffer, which moves twice the bytes a reduce-scatter needs and costs twice the CPU.
+        An all-to-all moves exactly a reduce-scatter's bytes (see docs/design.md)."""
+        return self.backend == "gloo"
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
   at most ``limit_all_gathers`` units outstanding (the unit being computed and
   ``limit_all_gathers - 1`` ahead of it);
 - every wait sits right before its first use;
-- reduce-scatters and all-reduces of gradients start as soon as their inputs
-  exist; each one's wait comes right after the next of its kind starts (at most
+- reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
+  for reduce-scatters on gloo) start as soon as their inputs exist; each one's wait comes right after the next of its kind starts (at most
   two in flight, as FSDP2 keeps them), the last one's before the graph's output.
 
 The order is a priority topological sort, so data dependencies always hold.
@@ -31,7 +31,8 @@ from graphshard.explain import CollectiveRecord, add_compute
 from graphshard.passes.pipeline import PassContext
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
-           c10d.all_reduce.default: "all_reduce"}
+           c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all"}
+_REDUCTIONS = ("reduce_scatter", "all_reduce", "all_to_all")  # in the backward: gradient reductions
 _WAIT = c10d.wait_tensor.default
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}
@@ -94,7 +95,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             first_use = min(real_uses, default=index[w])
             for n in chain:
                 key[n] = first_use - 0.5
-        elif _STARTS[s.target] in ("reduce_scatter", "all_reduce") and ctx.stage == "backward":
+        elif _STARTS[s.target] in _REDUCTIONS and ctx.stage == "backward":
             for n in _exclusive_prep(s) + [s]:
                 key[n] = -math.inf
             key[w] = math.inf
@@ -112,7 +113,7 @@ def _bound_reductions(starts: list[fx.Node], key: dict, extra_deps: dict) -> Non
     of one is issued right after the next one starts. The reduction then has the next
     unit's backward to finish in, and its full-size input buffer is freed there instead
     of every unit's staying alive until the end of the backward."""
-    for kind in ("reduce_scatter", "all_reduce"):
+    for kind in _REDUCTIONS:
         reds = [s for s in starts if _STARTS[s.target] == kind and _wait_of(s) is not None]
         for prev, nxt in zip(reds, reds[1:]):
             w = _wait_of(prev)

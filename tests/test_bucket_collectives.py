@@ -1,7 +1,9 @@
+import torch
 from expecttest import TestCase
 
 from _golden import graph_after
 from _models import fsdp_plan, tiny_transformer
+from graphshard.ops import ops
 from graphshard.testing.models import token_batch
 
 
@@ -112,3 +114,22 @@ class <lambda>(torch.nn.Module):
         _unsafe_view_10: "f32[2, 8, 32]" = torch.ops.aten._unsafe_view.default(mm_4, [2, 8, 32]);  mm_4 = None
         return (_unsafe_view_10,)
 """)
+
+
+class TestUnpackReduced(TestCase):
+    def test_averages_the_rows_an_all_to_all_received(self):
+        # Two source ranks' copies of a bucket of two gradients (numels 6 and 4, the first
+        # padded from 5): each gradient is the mean of its rows, cut to its unpadded size.
+        table = torch.arange(20, dtype=torch.float32).view(2, 10)
+        a, b = ops.unpack_reduced(table.view(-1), 2, [6, 4], [5, 4])
+        mean = table.mean(0)
+        torch.testing.assert_close(a, mean[:5], rtol=0, atol=0)
+        torch.testing.assert_close(b, mean[6:], rtol=0, atol=0)
+
+    def test_one_row_is_copied_out_of_the_collective_buffer(self):
+        buf = torch.arange(10, dtype=torch.float32)
+        a, b = ops.unpack_reduced(buf, 1, [6, 4], [5, 4])
+        torch.testing.assert_close(a, buf[:5], rtol=0, atol=0)
+        torch.testing.assert_close(b, buf[6:], rtol=0, atol=0)
+        buf.zero_()  # the gradients do not alias the buffer the collective wrote
+        torch.testing.assert_close(a, torch.arange(5, dtype=torch.float32), rtol=0, atol=0)

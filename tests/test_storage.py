@@ -66,3 +66,16 @@ def test_optimizer_and_grad_clipping_work_on_the_sharded_parameters():
     assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
+
+
+def test_axis_records_the_backend_that_runs_it():
+    from graphshard.storage import backend_on
+
+    model = tiny_transformer()
+    graphshard.shard(model, fsdp_plan())
+    info = next(iter(model._graphshard.infos.values()))
+    assert info.shard.backend == "fake"  # this process's test group
+    assert not info.shard.scatter_by_all_to_all
+    assert backend_on("gloo", "cpu") == "gloo"
+    assert backend_on("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert backend_on("cpu:gloo,cuda:nccl", "cpu") == "gloo"
