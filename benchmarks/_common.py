@@ -113,23 +113,35 @@ def progress(ctx: DistCtx, done: int, total: int, phase: str) -> None:
         print(f"{PROGRESS_TAG} {done} {total} {phase}", flush=True)
 
 
+def process_cpu_s() -> float:
+    """CPU seconds this process has used so far, all its threads (gloo's included), user + system."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def time_steps(
     ctx: DistCtx,
     step: Callable[[int], float],
     warmup: int,
     steps: int,
-) -> tuple[float, list[float], list[float]]:
+) -> tuple[float, list[float], list[float], float]:
     """Run ``1 + warmup + steps`` steps; ``step(i)`` runs step ``i`` and returns its loss.
 
     Every step starts after a barrier (not timed) so ranks enter it together,
     and is timed with ``perf_counter`` (plus a device sync on GPU). Returns the
     first step's time (compile, lazy init), the times of the ``steps`` measured
-    steps (warmup steps are dropped), and the loss of every step.
+    steps (warmup steps are dropped), the loss of every step, and the CPU seconds
+    per measured step (`process_cpu_s`, barriers included).
     """
     total = 1 + warmup + steps
     times, losses = [], []
+    cpu0 = 0.0
     for i in range(total):
         progress(ctx, i, total, "compile" if i == 0 else ("warmup" if i <= warmup else "steps"))
+        if i == 1 + warmup:
+            cpu0 = process_cpu_s()
         barrier(ctx)
         sync(ctx.device)
         t0 = time.perf_counter()
@@ -137,8 +149,9 @@ def time_steps(
         sync(ctx.device)
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
+    cpu_s = (process_cpu_s() - cpu0) / max(steps, 1)
     progress(ctx, total, total, "memory")
-    return times[0], times[1 + warmup :], losses
+    return times[0], times[1 + warmup :], losses, cpu_s
 
 
 def live_tensor_bytes(device_type: str = "cpu") -> int:
@@ -400,7 +413,8 @@ def median(xs: Iterable[float | None]) -> float | None:
 
 def rank_timings(ranks: list[dict]) -> dict:
     """The timing part of a run's result from every rank's figures: the slowest rank's
-    set-up and first step, per step the slowest rank, and the loss averaged over ranks
+    set-up and first step, per step the slowest rank, the busiest rank's CPU seconds per
+    step, and the loss averaged over ranks
     (under data parallelism the ranks see different rows; the mean is the global-batch loss)."""
     n_steps = len(ranks[0]["step_times_s"])
     step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(n_steps)]
@@ -409,6 +423,7 @@ def rank_timings(ranks: list[dict]) -> dict:
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "step_times_s": step_times,
         "step_s": median(step_times),
+        "cpu_s": max(r.get("cpu_s", 0.0) for r in ranks),
         "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))],
     }
 

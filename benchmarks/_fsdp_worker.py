@@ -142,12 +142,12 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
     C.barrier(ctx)
     setup_s = time.perf_counter() - t0
 
-    first_s, times, losses = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
+    first_s, times, losses, cpu_s = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
     mem_step = 1 + args.warmup + args.steps
     peak, resident, mem_method = C.peak_live_bytes(ctx, lambda: step_fn(*batch(mem_step)))
 
     mine = {
-        "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times,
+        "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times, "cpu_s": cpu_s,
         "losses": losses, "peak_live_bytes": peak, "resident_bytes": resident,
         "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
     }

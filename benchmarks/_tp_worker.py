@@ -210,14 +210,14 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
     C.barrier(ctx)
     setup_s = time.perf_counter() - t0
 
-    first_s, times, losses = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
+    first_s, times, losses, cpu_s = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
     # One more step, not timed, with every collective counted.
     C.progress(ctx, 1 + args.warmup + args.steps, 1 + args.warmup + args.steps, "counting collectives")
     C.barrier(ctx)
     comm = C.count_collectives(lambda: step_fn(*batch(1 + args.warmup + args.steps)))
 
     mine = {
-        "rank": ctx.rank, "dp_rank": dp_rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times,
+        "rank": ctx.rank, "dp_rank": dp_rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times, "cpu_s": cpu_s,
         "losses": losses, "comm": comm, "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
     }
     ranks = C.gather_to_rank0(mine)

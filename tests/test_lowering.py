@@ -171,7 +171,7 @@ region r3(10 in, 9 out): mul, sum, div, le, div, le, div, le, div, le""")
                 listing = f.read()
         self.assertExpectedInline("\n".join(line.split(":")[0] for line in listing.splitlines()
                                             if line.startswith("region")), """\
-region r0(5 in, 4 out)
+region r0(6 in, 5 out)
 region r1(23 in, 15 out)
 region r2(6 in, 3 out)
 region r1(23 in, 15 out)

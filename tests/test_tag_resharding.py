@@ -2,7 +2,8 @@ import torch
 from expecttest import TestCase
 
 from _golden import compiled_stages, graph_after
-from _models import fsdp_plan, stack
+from _models import fsdp_plan, stack, tiny_transformer
+from graphshard.testing.models import lm_loss, token_batch
 
 
 def _tags(text_model, plan):
@@ -77,3 +78,12 @@ getitem_2: MUST_SAVE""")
         sgo = compiled_stages(stack(), fsdp_plan(reshard_after_forward=False), (torch.randn(4, 8),))
         self.assertEqual(sgo["backward"].count("all_gather_into_tensor.default("), 0)
         self.assertEqual(sgo["backward"].count("reduce_scatter_tensor.default("), 3)
+
+    def test_root_unit_keeps_its_parameters_as_fsdp2s_root_does(self):
+        # The backward starts with the output head, the root's tied embedding: the root unit is
+        # not resharded after forward (FULL_SHARD or not), so the backward gathers layers.0 only.
+        x, y = token_batch(0, 2, 8, 32)
+        g = compiled_stages(tiny_transformer(), fsdp_plan(), (x,), loss_fn=lambda out: lm_loss(out, y))
+        self.assertEqual(g["forward"].count("all_gather_into_tensor.default("), 2)
+        self.assertEqual(g["backward"].count("all_gather_into_tensor.default("), 1)
+        self.assertIn("Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 1 - MUST_RECOMPUTE", g["backward"])
