@@ -13,6 +13,8 @@ Variants (see `VARIANTS`):
 * ``fsdp2_compile_blocks``  ``block.compile()`` on every block, then ``fully_shard`` (torchtitan's recipe).
 * ``fsdp1``                 ``FullyShardedDataParallel``, one unit per block, ``use_orig_params=True``.
 * ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
+* ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
+* ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
 
 A variant that cannot be built here (graphshard without ``compile``) raises
 `Unavailable`; the run then reports ``status: unavailable`` and exits cleanly.
@@ -79,14 +81,51 @@ def build_fsdp1(model, mesh, lr) -> StepFn:
     return _make_step(fsdp, fsdp.parameters(), lr)
 
 
-def build_graphshard(model, mesh, lr) -> StepFn:
+def _graphshard_plan(mesh):
     try:
         import graphshard
     except Exception as e:  # noqa: BLE001
         raise C.Unavailable(f"import graphshard failed: {e!r}") from e
-    plan = graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+    return graphshard, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+
+
+def build_graphshard(model, mesh, lr) -> StepFn:
+    graphshard, plan = _graphshard_plan(mesh)
     graphshard.compile(model, plan)
     return _make_step(model, model.parameters(), lr)
+
+
+def build_graphshard_comm(model, mesh, lr) -> StepFn:
+    """graphshard's collectives of one training step and nothing else, one after another,
+    through the ops its compiled step runs: every unit's all-gather (forward), the re-gather
+    of the units it reshards (backward; not the root) and every unit's gradient reduction.
+    On a CPU machine the ranks' transfers run on the cores that compute, so this run's CPU
+    seconds per step are what communication takes from any sharded step."""
+    graphshard, plan = _graphshard_plan(mesh)
+    from graphshard.ops import gather_params, reduce_grads
+
+    graphshard.shard(model, plan)
+    state = model._graphshard
+    units = []
+    for unit, keys in state.units.items():
+        infos = [state.infos[k] for k in keys]
+        if infos and infos[0].shard is not None:
+            shards = [model.get_parameter(info.fqn).to_local() for info in infos]
+            grads = [torch.zeros(info.dp_full_shape, dtype=info.reduce_dtype, device=shards[0].device)
+                     for info in infos]
+            units.append((unit, infos, shards, grads))
+
+    def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for _, infos, shards, _ in units:
+                gather_params(shards, infos)
+            for unit, infos, shards, grads in reversed(units):
+                if unit != "" and infos[0].reshard_after_forward:
+                    gather_params(shards, infos)
+                reduce_grads(grads, infos)
+        return torch.zeros(())
+
+    return step
 
 
 def build_local_compile(model, mesh, lr) -> StepFn:
@@ -101,6 +140,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "fsdp2_compile_blocks": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_blocks=True),
     "fsdp1": build_fsdp1,
     "graphshard": build_graphshard,
+    "graphshard_comm": build_graphshard_comm,
     "local_compile": build_local_compile,
 }
 

@@ -27,8 +27,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fsdp_worker.py")
 
 COMPILE_PEERS = ("fsdp2_compile_root", "fsdp2_compile_blocks")
-DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1", "local_compile")
+DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_ws1", "local_compile",
+                    "graphshard_comm")
 LOCAL_FLOOR = "local_compile"  # N ranks, no sharding, no communication: the contended compute floor
+COMM_ONLY = "graphshard_comm"  # graphshard's collectives of a step alone: their CPU cost
 SWEEP_VARIANTS = ("fsdp2", *COMPILE_PEERS, "graphshard")
 WS1 = "_ws1"  # suffix: the same variant launched with one process (the no-communication floor)
 
@@ -42,6 +44,7 @@ TARGETS = {
 
 METRICS = [  # key, column header
     ("step_s", "step s (median)"),
+    ("cpu_s", "CPU s/step"),
     ("first_step_s", "1st step s"),
     ("ttfs_s", "setup+1st s"),
     ("peak_live_mib", "peak live MiB"),
@@ -248,6 +251,10 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
         table += (f"\n\n{LOCAL_FLOOR} / fsdp2 step (every rank trains an unsharded compiled copy at the same "
                   f"time, no communication; the lowest step-time ratio any sharded run can reach here): "
                   f"{C.fmt(lf, 2) if lf is not None else 'n/a'}")
+    floor_text, floor = sharded_floor(records, subject, layers, reps)
+    if floor_text:
+        out.update(floor)
+        table += "\n\n" + floor_text
     if not any(r["variant"] == subject + WS1 for r in records):
         return table, out
     floor = per_rep(records, subject + WS1, layers, "step_s", reps)
@@ -256,6 +263,26 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
     table += (f"\n\nOverlap efficiency = {subject}{WS1} step / {subject} step "
               f"(1.0: communication fully hidden): {C.fmt(eff, 2) if eff is not None else 'n/a'}")
     return table, out
+
+
+def sharded_floor(records, subject: str, layers: int, reps: int) -> tuple[str, dict]:
+    """On a CPU machine the ranks' transfers run on the cores that compute, so no sharded
+    step can beat ``local_compile``'s step plus the CPU seconds ``graphshard_comm`` spends on
+    the same collectives. Per repetition (runs adjacent in time), then the median."""
+    if not any(r["variant"] == COMM_ONLY and r["layers"] == layers and r.get("device") == "cpu"
+               for r in records):
+        return "", {}
+    comm = per_rep(records, COMM_ONLY, layers, "cpu_s", reps)
+    local = per_rep(records, LOCAL_FLOOR, layers, "step_s", reps)
+    floor = [a + b if a is not None and b is not None else None for a, b in zip(local, comm)]
+    over_fsdp2 = C.paired_ratio(floor, per_rep(records, "fsdp2", layers, "step_s", reps))
+    subject_over = C.paired_ratio(per_rep(records, subject, layers, "step_s", reps), floor)
+    text = (f"Sharded floor = {LOCAL_FLOOR} step + {COMM_ONLY} CPU s/step (the compute, and the CPU that "
+            f"the same collectives take when run alone): {C.fmt(C.median(floor))} s; floor / fsdp2 "
+            f"{C.fmt(over_fsdp2, 2)} (a step-time ratio below it cannot be reached on this machine); "
+            f"{subject} / floor {C.fmt(subject_over, 2)}")
+    return text, {"sharded_floor_s": C.median(floor), "sharded_floor_over_fsdp2": over_fsdp2,
+                  "subject_over_sharded_floor": subject_over}
 
 
 def sweep_report(records, args) -> tuple[str, dict]:
