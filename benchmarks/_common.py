@@ -423,7 +423,7 @@ def rank_timings(ranks: list[dict]) -> dict:
         "first_step_s": max(r["first_step_s"] for r in ranks),
         "step_times_s": step_times,
         "step_s": median(step_times),
-        "cpu_s": max(r.get("cpu_s", 0.0) for r in ranks),
+        "cpu_s": max(r["cpu_s"] for r in ranks),
         "losses": [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(len(ranks[0]["losses"]))],
     }
 

@@ -120,7 +120,7 @@ def build_graphshard_comm(model, mesh, lr) -> StepFn:
             for _, infos, shards, _ in units:
                 gather_params(shards, infos)
             for unit, infos, shards, grads in reversed(units):
-                if unit != "" and infos[0].reshard_after_forward:
+                if infos[0].reshard_after_forward:
                     gather_params(shards, infos)
                 reduce_grads(grads, infos)
         return torch.zeros(())

@@ -251,9 +251,9 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
         table += (f"\n\n{LOCAL_FLOOR} / fsdp2 step (every rank trains an unsharded compiled copy at the same "
                   f"time, no communication; the lowest step-time ratio any sharded run can reach here): "
                   f"{C.fmt(lf, 2) if lf is not None else 'n/a'}")
-    floor_text, floor = sharded_floor(records, subject, layers, reps)
+    floor_text, floor_figures = sharded_floor(records, subject, layers, reps)
     if floor_text:
-        out.update(floor)
+        out.update(floor_figures)
         table += "\n\n" + floor_text
     if not any(r["variant"] == subject + WS1 for r in records):
         return table, out

@@ -88,8 +88,11 @@ class ParamInfo:
 
     @property
     def reshard_after_forward(self) -> bool:
+        """Whether the gathered parameter is freed after forward and gathered again in backward:
+        FULL_SHARD, except in the root unit (``""``), which keeps it whatever its spec says, as
+        FSDP2's root does (the backward needs the root's output head first)."""
         spec = self.layout.unit_spec
-        return isinstance(spec, FullyShard) and spec.reshard_after_forward
+        return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
 
 
 def chunk_size(n: int, world: int, rank: int) -> int:

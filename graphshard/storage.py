@@ -61,12 +61,7 @@ def state_for_key(key: str) -> ShardedState | None:
 def axis_group(plan: Plan, axis: str) -> AxisGroup:
     group = plan.group(axis)
     return AxisGroup(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group),
-                     backend_for(group, plan.mesh.device_type))
-
-
-def backend_for(group: dist.ProcessGroup, device_type: str) -> str:
-    """The backend that runs ``group``'s collectives on ``device_type``."""
-    return backend_on(str(dist.get_backend(group)), device_type)
+                     backend_on(str(dist.get_backend(group)), plan.mesh.device_type))
 
 
 def backend_on(name: str, device_type: str) -> str:

@@ -39,12 +39,9 @@ def _record(ctx: PassContext, unit: str, infos) -> None:
         nbytes = sum(i.chunk_rows * i.row_numel for i in infos) * first.param_dtype.itemsize
         ctx.report.collectives.append(CollectiveRecord("all_gather", first.shard.name, nbytes, label, "pre_autograd"))
         grad_bytes = sum(i.chunk_rows * i.row_numel for i in infos) * first.shard.world * first.reduce_dtype.itemsize
-        if first.shard.scatter_by_all_to_all:
-            ctx.report.collectives.append(CollectiveRecord(
-                "all_to_all", first.shard.name, grad_bytes, label + ", backward: a reduce-scatter on gloo", "pre_autograd"))
-        else:
-            ctx.report.collectives.append(CollectiveRecord(
-                "reduce_scatter", first.shard.name, grad_bytes, label + ", backward", "pre_autograd"))
+        kind, cause = (("all_to_all", ", backward: a reduce-scatter on gloo") if first.shard.scatter_by_all_to_all
+                       else ("reduce_scatter", ", backward"))
+        ctx.report.collectives.append(CollectiveRecord(kind, first.shard.name, grad_bytes, label + cause, "pre_autograd"))
     for axis in first.replicate:
         nbytes = sum(math.prod(i.dp_full_shape) for i in infos) * first.reduce_dtype.itemsize
         nbytes //= first.shard.world if first.shard is not None else 1

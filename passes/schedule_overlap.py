@@ -10,8 +10,9 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
   ``limit_all_gathers - 1`` ahead of it);
 - every wait sits right before its first use;
 - reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
-  for reduce-scatters on gloo) start as soon as their inputs exist; each one's wait comes right after the next of its kind starts (at most
-  two in flight, as FSDP2 keeps them), the last one's before the graph's output.
+  for reduce-scatters on gloo) start as soon as their inputs exist; each one's
+  wait comes right after the next of its kind starts (at most two in flight, as
+  FSDP2 keeps them), the last one's before the graph's output.
 
 The order is a priority topological sort, so data dependencies always hold.
 """

@@ -7,7 +7,8 @@ nodes are tagged ``MUST_RECOMPUTE``. SHARD_GRAD_OP units keep them: tagged
 ``unshard`` into (all-gather, wait, casts, views), and the min-cut partitioner
 honours it, so the backward graph re-issues exactly the FULL_SHARD all-gathers.
 
-The root unit (plan key ``""``) keeps its parameters whatever its spec says, as
+The root unit (plan key ``""``) keeps its parameters whatever its spec says
+(`ParamInfo.reshard_after_forward`), as
 FSDP2's root does: the backward starts with the layers that ran last in the
 forward, typically the root's (the output head, a tied embedding), so resharding
 it would only gather it again at once, an all-gather with nothing to hide under.
@@ -28,8 +29,7 @@ def tag_resharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         info = lookup_param(nodes[0].args[1][0])
         if info.shard is None:
             continue  # replicated units gather nothing
-        reshard = info.reshard_after_forward and unit != ""
-        policy = CheckpointPolicy.MUST_RECOMPUTE if reshard else CheckpointPolicy.MUST_SAVE
+        policy = CheckpointPolicy.MUST_RECOMPUTE if info.reshard_after_forward else CheckpointPolicy.MUST_SAVE
         for node in nodes:
             node.meta["recompute"] = policy
             node.meta["ac_graph_id"] = graph_id
