@@ -187,37 +187,63 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     return sum(seen.values())
 
 
-def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> int:
+def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> tuple[int, int]:
     """Peak of net CPU allocations made while running ``fn`` (bytes above its start).
 
     Uses the profiler's memory events (``profile_memory=True``): every
-    allocation and free through c10's CPU allocator is reported, including
-    those made by Inductor-generated code, which a TorchDispatchMode would not
-    see. Frees of blocks allocated before ``fn`` started are not reported, so
-    the result can only over-estimate.
+    allocation and free through c10's CPU allocator on a thread the profiler
+    sees, including those made by Inductor-generated code, which a
+    TorchDispatchMode would not see. Returns ``(peak, unseen_free_bytes)``.
+
+    Frees the profiler does not see: frees of blocks allocated before ``fn``
+    started, and frees made on a thread outside the profiler's thread-local
+    state. The second kind is common with gloo: a collective's work object
+    holds its input and output tensors, and when gloo's worker thread drops the
+    last reference (after the caller's ``wait`` has returned and the caller has
+    let go of the tensors) the block is freed on that thread, unreported. A
+    plain running sum would count such a block as live for the rest of the step,
+    by an amount that depends on thread timing. So a block is taken as freed,
+    at the latest, when the allocator hands its address out again (an address
+    is never given to two live blocks); its bytes are reported as
+    ``unseen_free_bytes``. A block whose free is unseen and whose address is
+    not reused stays counted, so the result can still only over-estimate.
     """
+    from torch._C._profiler import _EventType  # private: benchmark-only
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()  # private: benchmark-only
-        if e.name() == "[memory]" and e.device_type().name == "CPU"
-    ]
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
+            events.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size))
     events.sort(key=lambda x: x[0])
-    cur = peak = 0
-    for _, nbytes in events:
+    live: dict[int, int] = {}
+    cur = peak = unseen = 0
+    for _, ptr, nbytes in events:
+        if nbytes > 0:
+            if ptr in live:  # the block that had this address was freed where the profiler did not look
+                freed = live.pop(ptr)
+                cur -= freed
+                unseen += freed
+            live[ptr] = nbytes
+        else:
+            live.pop(ptr, None)
         cur += nbytes
         peak = max(peak, cur)
-    return peak
+    return peak, unseen
 
 
-def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, str]:
+def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, int, str]:
     """Peak live tensor bytes during one call of ``fn`` (one training step).
 
-    Returns ``(peak, resident, method)``: ``resident`` is what is live at the
-    step boundary (parameters, optimizer state, any persistent buffers).
+    Returns ``(peak, resident, unseen_free, method)``: ``resident`` is what is
+    live at the step boundary (parameters, optimizer state, any persistent
+    buffers); ``unseen_free`` is the CPU measurement's correction for frees the
+    profiler did not see (0 on GPU).
 
     * GPU: ``torch.cuda.max_memory_allocated`` after a peak reset (the caching
       allocator's live bytes, not its reserved pool).
@@ -232,9 +258,10 @@ def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, str]
         torch.cuda.reset_peak_memory_stats(ctx.device)
         fn()
         sync(ctx.device)
-        return torch.cuda.max_memory_allocated(ctx.device), resident, "cuda.max_memory_allocated"
+        return torch.cuda.max_memory_allocated(ctx.device), resident, 0, "cuda.max_memory_allocated"
     resident = live_tensor_bytes("cpu")
-    return resident + _cpu_profiled_peak_delta(fn), resident, "gc-live-storages+profiler-cpu-alloc"
+    delta, unseen = _cpu_profiled_peak_delta(fn)
+    return resident + delta, resident, unseen, "gc-live-storages+profiler-cpu-alloc"
 
 
 def peak_rss_mib() -> float:

@@ -184,11 +184,12 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
 
     first_s, times, losses, cpu_s = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
     mem_step = 1 + args.warmup + args.steps
-    peak, resident, mem_method = C.peak_live_bytes(ctx, lambda: step_fn(*batch(mem_step)))
+    peak, resident, unseen_free, mem_method = C.peak_live_bytes(ctx, lambda: step_fn(*batch(mem_step)))
 
     mine = {
         "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times, "cpu_s": cpu_s,
         "losses": losses, "peak_live_bytes": peak, "resident_bytes": resident,
+        "unseen_free_bytes": unseen_free,
         "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
     }
     ranks = C.gather_to_rank0(mine)
@@ -202,6 +203,7 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
         **C.rank_timings(ranks),
         "peak_live_mib": max(r["peak_live_bytes"] for r in ranks) * mib,
         "resident_mib": max(r["resident_bytes"] for r in ranks) * mib,
+        "unseen_free_mib": max(r["unseen_free_bytes"] for r in ranks) * mib,
         "rss_mib": max(r["rss_mib"] for r in ranks),
         "graph_breaks": ranks[0].get("graph_breaks"),
         "unique_graphs": ranks[0].get("unique_graphs"),
