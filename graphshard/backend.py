@@ -355,18 +355,31 @@ def _barrier() -> None:
             dist.barrier()
 
 
-_LOWERED_CALL = re.compile(r"^\s*(?:\w+ = )?torch\.ops\._c10d_functional\.(\w+)\.default\(")
+_LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\._c10d_functional\.(?P<op>\w+)\.default\((?P<arg>\w+)?")
+_LOWERED_ITEM = re.compile(r"^\s*(?P<out>\w+) = (?P<of>\w+)\[\d+\]\s*$")
 _LOWERED_COMPUTE = re.compile(r"^\s*extern_kernels\.(mm|addmm|bmm|baddbmm)\(")
 
 
 def lowered_collective_order(source: str) -> list[str]:
-    """Collective starts, waits and matmuls in the order Inductor's generated ``call`` issues them."""
+    """Collective starts, waits and matmuls in the order Inductor's generated ``call`` issues
+    them; the waits on a coalesced collective's outputs count as one, as in the FX listing."""
     events: list[str] = []
+    coalesced: set[str] = set()   # buffers a coalesced collective returns
+    item_of: dict[str, str] = {}  # buffer picked out of one -> that collective's buffer
+    waited: set[str] = set()
     body = source.split("def call(", 1)[-1]
     for line in body.splitlines():
         m = _LOWERED_CALL.match(line)
         if m:
-            events.append(collective_kind(m.group(1)))
+            if m["op"].endswith("_coalesced") and m["out"]:
+                coalesced.add(m["out"])
+            if m["op"] == "wait_tensor" and m["arg"] in item_of:
+                if item_of[m["arg"]] in waited:
+                    continue
+                waited.add(item_of[m["arg"]])
+            events.append(collective_kind(m["op"]))
+        elif (item := _LOWERED_ITEM.match(line)) and item["of"] in coalesced:
+            item_of[item["out"]] = item["of"]
         elif _LOWERED_COMPUTE.match(line):
             add_compute(events)
     return events

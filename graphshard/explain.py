@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+
+import torch.fx as fx
 
 
 @dataclass
@@ -56,12 +59,20 @@ class GraphReport:
 
 
 def collective_kind(op_name: str) -> str:
-    """An order listing's name for a ``_c10d_functional`` op: ``all_gather_into_tensor`` ->
-    ``all_gather``, ``reduce_scatter_tensor`` -> ``reduce_scatter``, ``all_to_all_single`` ->
-    ``all_to_all``, ``wait_tensor`` -> ``wait``."""
+    """An order listing's name for a ``_c10d_functional`` op: ``all_gather_into_tensor`` (and
+    its ``_coalesced`` form) -> ``all_gather``, ``reduce_scatter_tensor`` -> ``reduce_scatter``,
+    ``all_to_all_single`` -> ``all_to_all``, ``wait_tensor`` -> ``wait``."""
     if op_name == "wait_tensor":
         return "wait"
-    return op_name.replace("_into_tensor", "").replace("_tensor", "").replace("_single", "")
+    return (op_name.replace("_coalesced", "").replace("_into_tensor", "").replace("_tensor", "")
+            .replace("_single", ""))
+
+
+def collective_of_wait(wait: fx.Node) -> fx.Node:
+    """The collective a ``wait_tensor`` node waits on: its argument, or the coalesced
+    collective whose output the argument picks (order listings show one wait for it)."""
+    src = wait.args[0]
+    return src.args[0] if src.op == "call_function" and src.target is operator.getitem else src
 
 
 def add_compute(events: list[str]) -> None:

@@ -37,7 +37,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.explain import add_compute, collective_kind
+from graphshard.explain import add_compute, collective_kind, collective_of_wait
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -83,13 +83,18 @@ def whole_graph_reason(gm: fx.GraphModule) -> str | None:
 
 
 def is_communication(node: fx.Node) -> bool:
-    """Collectives, waits, and the custom copy ops that feed or unpack them."""
+    """Collectives, waits, the custom copy ops that feed or unpack them, and views of graph
+    inputs that only shape a collective's input (a shard flattened for a coalesced
+    all-gather): a region of such views would compute nothing."""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return is_communication(node.args[0])
     ns = getattr(node.target, "namespace", None)
-    return ns in COMMUNICATION_NAMESPACES
+    if ns in COMMUNICATION_NAMESPACES:
+        return True
+    return (_aten_name(node) in _VIEWS and bool(node.users) and all(is_communication(u) for u in node.users)
+            and all(a.op == "placeholder" or is_communication(a) for a in node.all_input_nodes))
 
 
 _FACTORIES = frozenset({"full", "iota", "arange", "zeros", "ones", "scalar_tensor"})
@@ -467,10 +472,16 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
     order: list[str] = []
     counts = {"regions": 0, "compiled": 0, "eager": 0}
     work: dict[tuple, RegionWork] = {}
+    waited: set[fx.Node] = set()
     for step in steps:
         if not isinstance(step, Region):
             name = _aten_name(step) or str(step.target)
             if getattr(step.target, "namespace", None) == "_c10d_functional":
+                if name == "wait_tensor":
+                    src = collective_of_wait(step)
+                    if src in waited:  # a coalesced collective's waits are one event
+                        continue
+                    waited.add(src)
                 order.append(collective_kind(name))
             continue
         counts["regions"] += 1

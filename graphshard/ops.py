@@ -96,6 +96,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
 # --------------------------------------------------------------------------------------------
 lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
+lib.define("flat_shards(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor[]")
 lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
 
@@ -115,6 +116,21 @@ def _pack(xs, numels, dtype):
 @torch.library.register_fake("graphshard::pack")
 def _pack_fake(xs, numels, dtype):
     return xs[0].new_empty(sum(numels), dtype=dtype)
+
+
+@torch.library.impl(lib, "flat_shards", "CompositeExplicitAutograd")
+def _flat_shards(xs, numels, dtype):
+    out = []
+    for x, n in zip(xs, numels):
+        y = x.new_zeros(n, dtype=dtype) if x.numel() < n else x.new_empty(n, dtype=dtype)
+        y.narrow(0, 0, x.numel()).copy_(x.reshape(-1))
+        out.append(y)
+    return out
+
+
+@torch.library.register_fake("graphshard::flat_shards")
+def _flat_shards_fake(xs, numels, dtype):
+    return [x.new_empty(n, dtype=dtype) for x, n in zip(xs, numels)]
 
 
 @torch.library.impl(lib, "unpack", "CompositeExplicitAutograd")
@@ -181,21 +197,39 @@ def _unpack_reduced_fake(buf, rows, numels, keep):
 
 
 def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
-    """Casts to param_dtype and all-gathers a unit's shards in ONE collective."""
+    """Casts to param_dtype and all-gathers a unit's shards in ONE collective: a packed bucket,
+    or on gloo a coalesced all-gather with an output per parameter (`AxisGroup.gather_coalesced`)."""
     first = infos[0]
     if first.shard is None:
         return [x.to(info.param_dtype) for x, info in zip(shards, infos)]
     axis = first.shard
     numels = [info.chunk_rows * info.row_numel for info in infos]
-    buf = ops.pack(list(shards), numels, first.param_dtype)
-    gathered = _wait(c10d.all_gather_into_tensor(buf, axis.world, axis.group_name))
-    flats = ops.unpack(gathered, axis.world, numels)
+    if axis.gather_coalesced:
+        ins = _coalesced_inputs(shards, numels, first.param_dtype)
+        flats = [_wait(t) for t in c10d.all_gather_into_tensor_coalesced(ins, axis.world, axis.group_name)]
+    else:
+        buf = ops.pack(list(shards), numels, first.param_dtype)
+        gathered = _wait(c10d.all_gather_into_tensor(buf, axis.world, axis.group_name))
+        flats = ops.unpack(gathered, axis.world, numels)
     outs = []
     for flat, info in zip(flats, infos):
         full = flat.view(axis.world * info.chunk_rows, *info.dp_full_shape[1:])
         rows = info.dp_full_shape[0]
         outs.append(full if full.shape[0] == rows else full.narrow(0, 0, rows))
     return outs
+
+
+def _coalesced_inputs(shards: Sequence[torch.Tensor], numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The shards as one rank's inputs to a per-parameter all-gather: flat, in ``dtype``, each
+    padded with zeros to its chunk's ``numel``. A shard that needs neither is a view; the
+    others are cast and padded by one ``flat_shards`` call (one communication-side copy,
+    like ``pack``'s, rather than a compute kernel per unit)."""
+    ins = [x.reshape(-1) for x in shards]
+    redo = [i for i, (x, n) in enumerate(zip(ins, numels)) if x.dtype != dtype or x.numel() != n]
+    if redo:
+        for i, y in zip(redo, ops.flat_shards([ins[i] for i in redo], [numels[i] for i in redo], dtype)):
+            ins[i] = y
+    return ins
 
 
 def _reduce_scatter_flat(buf: torch.Tensor, axis: AxisGroup) -> tuple[torch.Tensor, int]:

@@ -38,6 +38,18 @@ class AxisGroup:
         An all-to-all moves exactly a reduce-scatter's bytes (see docs/design.md)."""
         return self.backend == "gloo"
 
+    @property
+    def gather_coalesced(self) -> bool:
+        """Gather a unit's parameters with one coalesced all-gather (an output per parameter)
+        instead of a packed bucket, an all-gather into one buffer and a copy-out.
+
+        gloo's all-gather into one tensor is not zero-copy: its worker thread gathers into a
+        flat temporary of the whole result and copies it out, so the bucket path copies the
+        gathered bytes twice after the transfer. The coalesced all-gather's worker copies
+        them once, straight into each parameter's output, and reads the shards in place
+        (see docs/design.md). NCCL gathers in place: one bucket is its fastest form."""
+        return self.backend == "gloo"
+
 
 @dataclass(frozen=True)
 class ParamInfo:

@@ -28,18 +28,27 @@ import torch.fx as fx
 
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
-from graphshard.explain import CollectiveRecord, add_compute
+from graphshard.explain import CollectiveRecord, add_compute, collective_of_wait
 from graphshard.passes.pipeline import PassContext
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
-           c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all"}
+           c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all",
+           c10d.all_gather_into_tensor_coalesced.default: "all_gather"}
 _REDUCTIONS = ("reduce_scatter", "all_reduce", "all_to_all")  # in the backward: gradient reductions
 _WAIT = c10d.wait_tensor.default
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
             torch.ops.aten.baddbmm.default}
 
 
+def _waits_of(start: fx.Node) -> list[fx.Node]:
+    """The waits on ``start``'s result: one, or one per output of a coalesced collective
+    (each behind the ``getitem`` that picks it)."""
+    direct = [u for u in start.users if u.target == _WAIT]
+    return direct or [w for g in start.users if g.target is operator.getitem for w in g.users if w.target == _WAIT]
+
+
 def _wait_of(start: fx.Node) -> fx.Node | None:
+    """The wait of a collective with one output (a reduction)."""
     return next((u for u in start.users if u.target == _WAIT), None)
 
 
@@ -72,9 +81,10 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     key: dict[fx.Node, float] = {n: float(i) for n, i in index.items()}
     extra_deps: dict[fx.Node, list[fx.Node]] = {}
 
+    waits = {s: _waits_of(s) for s in starts}
     gathers = sorted(
-        (s for s in starts if _STARTS[s.target] == "all_gather" and _wait_of(s) is not None and _is_unit_gather(s)),
-        key=lambda s: index[_wait_of(s)],
+        (s for s in starts if _STARTS[s.target] == "all_gather" and waits[s] and _is_unit_gather(s)),
+        key=lambda s: min(index[w] for w in waits[s]),
     )
     limit = ctx.config.limit_all_gathers
     for k, ag in enumerate(gathers if limit > 1 else []):  # limit 1: each gather stays at its use
@@ -82,21 +92,25 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for n in chain:
             key[n] = -math.inf
         if k - (limit - 1) >= 0:
-            gate = _wait_of(gathers[k - (limit - 1)])
+            gate = waits[gathers[k - (limit - 1)]]
             for n in chain:
                 if not any(a in chain for a in n.all_input_nodes):
-                    extra_deps.setdefault(n, []).append(gate)
+                    extra_deps.setdefault(n, []).extend(gate)
     for s in starts:
-        w = _wait_of(s)
-        if w is None:
+        if not waits[s]:
             continue
         if s in gathers:
-            chain = _view_chain(w)
+            # A coalesced gather's waits (and the getitems before them) move together, to the
+            # first use of any of its outputs: the unit's parameters arrive at one point, as a
+            # bucket's do, and the compute between is not cut into pieces by waits.
+            picks = [g for g in s.users if g.target is operator.getitem]
+            chain = picks + [n for w in waits[s] for n in _view_chain(w)]
             real_uses = [index[u] for n in chain for u in n.users if u not in chain]
-            first_use = min(real_uses, default=index[w])
-            for n in chain:
-                key[n] = first_use - 0.5
+            first_use = min(real_uses, default=max(index[w] for w in waits[s]))
+            for n in chain:  # the waits first, then the views of what they return
+                key[n] = first_use - (0.75 if n in picks or n.target == _WAIT else 0.5)
         elif _STARTS[s.target] in _REDUCTIONS and ctx.stage == "backward":
+            w = waits[s][0]
             for n in _exclusive_prep(s) + [s]:
                 key[n] = -math.inf
             key[w] = math.inf
@@ -225,17 +239,20 @@ def _record(gm: fx.GraphModule, ctx: PassContext, gathers: list[fx.Node]) -> Non
     if ctx.stage == "backward":
         names.update(_grad_units(gm, ctx))
     events = []
+    waited = set()
     for n in gm.graph.nodes:
         if n.target in _STARTS:
             kind = _STARTS[n.target]
             label = names.get(n, n.name)
             events.append(f"{kind}({label})")
-            v = n.args[0].meta.get("val")
-            nbytes = v.numel() * v.element_size() if v is not None else 0
+            ins = n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]]
+            nbytes = sum(v.numel() * v.element_size() for v in (a.meta.get("val") for a in ins) if v is not None)
             ctx.report.collectives.append(CollectiveRecord(kind, _axis_of(n, ctx), nbytes, label, ctx.stage))
         elif n.target == _WAIT:
-            src = n.args[0]
-            events.append(f"wait({names.get(src, src.name)})")
+            src = collective_of_wait(n)
+            if src not in waited:  # a coalesced collective's waits are one event
+                waited.add(src)
+                events.append(f"wait({names.get(src, src.name)})")
         elif n.op == "call_function" and n.target in _MATMULS:
             add_compute(events)
     ctx.report.order[ctx.stage] = events

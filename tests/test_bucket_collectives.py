@@ -133,3 +133,11 @@ class TestUnpackReduced(TestCase):
         torch.testing.assert_close(b, buf[6:], rtol=0, atol=0)
         buf.zero_()  # the gradients do not alias the buffer the collective wrote
         torch.testing.assert_close(a, torch.arange(5, dtype=torch.float32), rtol=0, atol=0)
+
+
+class TestFlatShards(TestCase):
+    def test_pads_each_shard_to_its_chunk_with_zeros_and_casts(self):
+        a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0)
+        fa, fb = ops.flat_shards([a, b], [9, 4], torch.bfloat16)
+        torch.testing.assert_close(fa, torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0], dtype=torch.bfloat16), rtol=0, atol=0)
+        torch.testing.assert_close(fb, b.to(torch.bfloat16), rtol=0, atol=0)

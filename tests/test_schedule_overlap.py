@@ -5,7 +5,8 @@ from expecttest import TestCase
 
 import graphshard
 from _golden import compiled_stages
-from _models import fsdp_plan, stack
+from _models import fsdp_plan, mesh1d, seeded, stack
+from graphshard.testing.models import MLP
 from graphshard.params import AxisGroup
 
 
@@ -171,6 +172,32 @@ wait_tensor_4: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_to
 unpack_reduced_1 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_4, 4, [16], [16]);  wait_tensor_4 = None
 wait_tensor_5: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
 unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 4, [16], [16]);  wait_tensor_5 = None""")
+
+
+    def test_gloo_axis_gathers_each_parameter_in_one_coalesced_collective(self):
+        # On a gloo axis a unit's parameters are gathered by one coalesced all-gather with an
+        # output per parameter: no bucket to pack and no copy-out. Shards that are already
+        # flat and whole go in as views; the others (here every one, cast to bf16, and
+        # fc2's 7 rows padded to 4 per rank) through one flat_shards call. The waits sit
+        # together at the first use.
+        model = seeded(MLP, 10, 30, 7)
+        plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(param_dtype=torch.bfloat16)})
+        with mock.patch.object(AxisGroup, "gather_coalesced", new_callable=mock.PropertyMock, return_value=True):
+            g = compiled_stages(model, plan, (torch.randn(4, 10, dtype=torch.bfloat16),))
+        gather = [line.strip() for line in g["forward"].splitlines()
+                  if "flat_shards" in line or "_c10d_functional" in line or " = flat_shards[" in line]
+        self.assertExpectedInline("\n".join(gather), """\
+flat_shards = torch.ops.graphshard.flat_shards.default([view, view_1, view_2, view_3], [80, 8, 60, 2], torch.bfloat16);  view = view_1 = view_2 = view_3 = None
+getitem: "bf16[80]" = flat_shards[0]
+getitem_1: "bf16[8]" = flat_shards[1]
+getitem_2: "bf16[60]" = flat_shards[2]
+getitem_3: "bf16[2]" = flat_shards[3];  flat_shards = None
+all_gather_into_tensor_coalesced = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default([getitem, getitem_1, getitem_2, getitem_3], 4, 'dp');  getitem = getitem_1 = getitem_2 = getitem_3 = None
+wait_tensor: "bf16[320]" = torch.ops._c10d_functional.wait_tensor.default(getitem_4);  getitem_4 = None
+wait_tensor_1: "bf16[32]" = torch.ops._c10d_functional.wait_tensor.default(getitem_5);  getitem_5 = None
+wait_tensor_2: "bf16[240]" = torch.ops._c10d_functional.wait_tensor.default(getitem_6);  getitem_6 = None
+wait_tensor_3: "bf16[8]" = torch.ops._c10d_functional.wait_tensor.default(getitem_7);  getitem_7 = None""")
+        self.assertExpectedInline(" -> ".join(model._graphshard.explain[0].order["forward"]), """all_gather(<root>) -> wait(<root>) -> compute x2""")
 
 
 class TestInductorKeepsTheOrder(TestCase):
