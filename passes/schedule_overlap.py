@@ -47,6 +47,25 @@ def _waits_of(start: fx.Node) -> list[fx.Node]:
     return direct or [w for g in start.users if g.target is operator.getitem for w in g.users if w.target == _WAIT]
 
 
+def _wait_every_output(start: fx.Node) -> None:
+    """Gives every output of a coalesced collective a wait. c10d registers the collective's
+    work under each output and forgets it only when that output is waited; the work holds
+    every output, so one never waited (a parameter the backward's recomputed gather brings
+    but no gradient formula reads) would keep the whole gather alive, step after step."""
+    picked = {g.args[1]: g for g in start.users if g.target is operator.getitem}
+    for i in range(len(start.args[0])):
+        g = picked.get(i)
+        if g is None:
+            with start.graph.inserting_after(start):
+                g = start.graph.call_function(operator.getitem, (start, i))
+            g.meta.update(start.meta)
+            g.meta["val"] = start.meta["val"][i] if "val" in start.meta else None
+        if not any(u.target == _WAIT for u in g.users):
+            with start.graph.inserting_after(g):
+                w = start.graph.call_function(_WAIT, (g,))
+            w.meta.update(g.meta)
+
+
 def _wait_of(start: fx.Node) -> fx.Node | None:
     """The wait of a collective with one output (a reduction)."""
     return next((u for u in start.users if u.target == _WAIT), None)
@@ -81,6 +100,9 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     key: dict[fx.Node, float] = {n: float(i) for n, i in index.items()}
     extra_deps: dict[fx.Node, list[fx.Node]] = {}
 
+    for s in starts:
+        if s.target == c10d.all_gather_into_tensor_coalesced.default:
+            _wait_every_output(s)
     waits = {s: _waits_of(s) for s in starts}
     gathers = sorted(
         (s for s in starts if _STARTS[s.target] == "all_gather" and waits[s] and _is_unit_gather(s)),
