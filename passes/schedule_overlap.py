@@ -92,6 +92,8 @@ def unit_name(node: fx.Node, fallback: str) -> str:
 
 def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
+    for n in g.find_nodes(op="call_function", target=c10d.all_gather_into_tensor_coalesced.default):
+        _wait_every_output(n)
     nodes = list(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     starts = [n for n in nodes if n.target in _STARTS]
@@ -100,9 +102,6 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     key: dict[fx.Node, float] = {n: float(i) for n, i in index.items()}
     extra_deps: dict[fx.Node, list[fx.Node]] = {}
 
-    for s in starts:
-        if s.target == c10d.all_gather_into_tensor_coalesced.default:
-            _wait_every_output(s)
     waits = {s: _waits_of(s) for s in starts}
     gathers = sorted(
         (s for s in starts if _STARTS[s.target] == "all_gather" and waits[s] and _is_unit_gather(s)),
