@@ -200,6 +200,24 @@ wait_tensor_3: "bf16[8]" = torch.ops._c10d_functional.wait_tensor.default(getite
         self.assertExpectedInline(" -> ".join(model._graphshard.explain[0].order["forward"]), """all_gather(<root>) -> wait(<root>) -> compute x2""")
 
 
+    def test_every_output_of_a_coalesced_gather_is_waited(self):
+        # fc2's backward re-gathers its weight and bias but reads only the weight. c10d keeps
+        # a coalesced collective's work registered until each output is waited, and the work
+        # holds all of them: the bias's output gets a wait of its own, or the gather leaks.
+        model = seeded(MLP, 10, 30, 7)
+        plan = graphshard.Plan(mesh1d("dp"), {"fc2": graphshard.FullyShard(), "": graphshard.FullyShard()})
+        with mock.patch.object(AxisGroup, "gather_coalesced", new_callable=mock.PropertyMock, return_value=True):
+            g = compiled_stages(model, plan, (torch.randn(4, 10),))
+        gather = [line.strip() for line in g["backward"].splitlines()
+                  if "all_gather_into_tensor_coalesced" in line or "wait_tensor" in line and "getitem" in line]
+        self.assertExpectedInline("\n".join(gather), """\
+all_gather_into_tensor_coalesced_1 = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default([view_4, view_5], 4, 'dp');  view_4 = view_5 = None
+getitem: "f32[8]" = all_gather_into_tensor_coalesced_1[1]
+wait_tensor_default: "f32[8]" = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = wait_tensor_default = None
+getitem_2: "f32[240]" = all_gather_into_tensor_coalesced_1[0];  all_gather_into_tensor_coalesced_1 = None
+wait_tensor_2: "f32[240]" = torch.ops._c10d_functional.wait_tensor.default(getitem_2);  getitem_2 = None""")
+
+
 class TestInductorKeepsTheOrder(TestCase):
     def test_lowered_code_issues_collectives_in_the_scheduled_order(self):
         # Regional lowering (the default) runs communication between compiled regions in the
