@@ -8,7 +8,9 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
   next unit's gather runs under the current unit's compute. A hard edge keeps
   at most ``limit_all_gathers`` units outstanding (the unit being computed and
   ``limit_all_gathers - 1`` ahead of it);
-- every wait sits right before its first use;
+- every wait sits right before its first use; the waits of a coalesced
+  all-gather (one per parameter, on gloo) sit together before the first use of
+  any of them, and every one of its outputs is waited, used or not;
 - reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
   for reduce-scatters on gloo) start as soon as their inputs exist; each one's
   wait comes right after the next of its kind starts (at most two in flight, as
