@@ -96,7 +96,6 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
 # --------------------------------------------------------------------------------------------
 lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
-lib.define("flat_shards(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor[]")
 lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
 
@@ -116,21 +115,6 @@ def _pack(xs, numels, dtype):
 @torch.library.register_fake("graphshard::pack")
 def _pack_fake(xs, numels, dtype):
     return xs[0].new_empty(sum(numels), dtype=dtype)
-
-
-@torch.library.impl(lib, "flat_shards", "CompositeExplicitAutograd")
-def _flat_shards(xs, numels, dtype):
-    out = []
-    for x, n in zip(xs, numels):
-        y = x.new_zeros(n, dtype=dtype) if x.numel() < n else x.new_empty(n, dtype=dtype)
-        y.narrow(0, 0, x.numel()).copy_(x.reshape(-1))
-        out.append(y)
-    return out
-
-
-@torch.library.register_fake("graphshard::flat_shards")
-def _flat_shards_fake(xs, numels, dtype):
-    return [x.new_empty(n, dtype=dtype) for x, n in zip(xs, numels)]
 
 
 @torch.library.impl(lib, "unpack", "CompositeExplicitAutograd")
@@ -222,12 +206,13 @@ def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) ->
 def _coalesced_inputs(shards: Sequence[torch.Tensor], numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """The shards as one rank's inputs to a per-parameter all-gather: flat, in ``dtype``, each
     padded with zeros to its chunk's ``numel``. A shard that needs neither is a view; the
-    others are cast and padded by one ``flat_shards`` call (one communication-side copy,
-    like ``pack``'s, rather than a compute kernel per unit)."""
+    others are cast and padded by one ``pack`` (one communication-side copy rather than a
+    compute kernel per unit) and go in as views of it."""
     ins = [x.reshape(-1) for x in shards]
     redo = [i for i, (x, n) in enumerate(zip(ins, numels)) if x.dtype != dtype or x.numel() != n]
     if redo:
-        for i, y in zip(redo, ops.flat_shards([ins[i] for i in redo], [numels[i] for i in redo], dtype)):
+        sizes = [numels[i] for i in redo]
+        for i, y in zip(redo, ops.pack([ins[i] for i in redo], sizes, dtype).split(sizes)):
             ins[i] = y
     return ins
 

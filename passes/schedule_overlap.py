@@ -68,11 +68,6 @@ def _wait_every_output(start: fx.Node) -> None:
             w.meta.update(g.meta)
 
 
-def _wait_of(start: fx.Node) -> fx.Node | None:
-    """The wait of a collective with one output (a reduction)."""
-    return next((u for u in start.users if u.target == _WAIT), None)
-
-
 def _exclusive_prep(start: fx.Node) -> list[fx.Node]:
     """The layout ops that exist only to build ``start``'s input (casts, pads, the bucket's cat)."""
     prep: set[fx.Node] = set()
@@ -138,7 +133,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 key[n] = -math.inf
             key[w] = math.inf
     if ctx.stage == "backward":
-        _bound_reductions(starts, key, extra_deps)
+        _bound_reductions(starts, waits, key, extra_deps)
 
     order = _priority_topo(nodes, key, extra_deps)
     _reorder(g, order)
@@ -146,15 +141,15 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _bound_reductions(starts: list[fx.Node], key: dict, extra_deps: dict) -> None:
+def _bound_reductions(starts: list[fx.Node], waits: dict, key: dict, extra_deps: dict) -> None:
     """At most two gradient reductions of a kind in flight, as FSDP2 keeps them: the wait
     of one is issued right after the next one starts. The reduction then has the next
     unit's backward to finish in, and its full-size input buffer is freed there instead
     of every unit's staying alive until the end of the backward."""
     for kind in _REDUCTIONS:
-        reds = [s for s in starts if _STARTS[s.target] == kind and _wait_of(s) is not None]
+        reds = [s for s in starts if _STARTS[s.target] == kind and waits[s]]
         for prev, nxt in zip(reds, reds[1:]):
-            w = _wait_of(prev)
+            w = waits[prev][0]
             if w in _ancestors(nxt):
                 continue  # already ordered by data
             extra_deps.setdefault(w, []).append(nxt)

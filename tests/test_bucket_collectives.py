@@ -3,7 +3,7 @@ from expecttest import TestCase
 
 from _golden import graph_after
 from _models import fsdp_plan, tiny_transformer
-from graphshard.ops import ops
+from graphshard.ops import _coalesced_inputs, ops
 from graphshard.testing.models import token_batch
 
 
@@ -135,9 +135,9 @@ class TestUnpackReduced(TestCase):
         torch.testing.assert_close(a, torch.arange(5, dtype=torch.float32), rtol=0, atol=0)
 
 
-class TestFlatShards(TestCase):
+class TestCoalescedInputs(TestCase):
     def test_pads_each_shard_to_its_chunk_with_zeros_and_casts(self):
         a, b = torch.arange(6.0).view(2, 3), torch.arange(4.0)
-        fa, fb = ops.flat_shards([a, b], [9, 4], torch.bfloat16)
+        fa, fb = _coalesced_inputs([a, b], [9, 4], torch.bfloat16)
         torch.testing.assert_close(fa, torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0], dtype=torch.bfloat16), rtol=0, atol=0)
         torch.testing.assert_close(fb, b.to(torch.bfloat16), rtol=0, atol=0)

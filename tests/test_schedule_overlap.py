@@ -178,20 +178,21 @@ unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 4,
         # On a gloo axis a unit's parameters are gathered by one coalesced all-gather with an
         # output per parameter: no bucket to pack and no copy-out. Shards that are already
         # flat and whole go in as views; the others (here every one, cast to bf16, and
-        # fc2's 7 rows padded to 4 per rank) through one flat_shards call. The waits sit
+        # fc2's 7 rows padded to 4 per rank) through one pack, as views of it. The waits sit
         # together at the first use.
         model = seeded(MLP, 10, 30, 7)
         plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(param_dtype=torch.bfloat16)})
         with mock.patch.object(AxisGroup, "gather_coalesced", new_callable=mock.PropertyMock, return_value=True):
             g = compiled_stages(model, plan, (torch.randn(4, 10, dtype=torch.bfloat16),))
         gather = [line.strip() for line in g["forward"].splitlines()
-                  if "flat_shards" in line or "_c10d_functional" in line or " = flat_shards[" in line]
+                  if "pack" in line or "split_with_sizes" in line or "_c10d_functional" in line]
         self.assertExpectedInline("\n".join(gather), """\
-flat_shards = torch.ops.graphshard.flat_shards.default([view, view_1, view_2, view_3], [80, 8, 60, 2], torch.bfloat16);  view = view_1 = view_2 = view_3 = None
-getitem: "bf16[80]" = flat_shards[0]
-getitem_1: "bf16[8]" = flat_shards[1]
-getitem_2: "bf16[60]" = flat_shards[2]
-getitem_3: "bf16[2]" = flat_shards[3];  flat_shards = None
+pack: "bf16[150]" = torch.ops.graphshard.pack.default([view, view_1, view_2, view_3], [80, 8, 60, 2], torch.bfloat16);  view = view_1 = view_2 = view_3 = None
+split_with_sizes = torch.ops.aten.split_with_sizes.default(pack, [80, 8, 60, 2]);  pack = None
+getitem: "bf16[80]" = split_with_sizes[0]
+getitem_1: "bf16[8]" = split_with_sizes[1]
+getitem_2: "bf16[60]" = split_with_sizes[2]
+getitem_3: "bf16[2]" = split_with_sizes[3];  split_with_sizes = None
 all_gather_into_tensor_coalesced = torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default([getitem, getitem_1, getitem_2, getitem_3], 4, 'dp');  getitem = getitem_1 = getitem_2 = getitem_3 = None
 wait_tensor: "bf16[320]" = torch.ops._c10d_functional.wait_tensor.default(getitem_4);  getitem_4 = None
 wait_tensor_1: "bf16[32]" = torch.ops._c10d_functional.wait_tensor.default(getitem_5);  getitem_5 = None
