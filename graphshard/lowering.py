@@ -93,8 +93,15 @@ def is_communication(node: fx.Node) -> bool:
     ns = getattr(node.target, "namespace", None)
     if ns in COMMUNICATION_NAMESPACES:
         return True
-    return (_aten_name(node) in _VIEWS and bool(node.users) and all(is_communication(u) for u in node.users)
+    return (_aten_name(node) in _VIEWS and _feeds_only_communication(node)
             and all(a.op == "placeholder" or is_communication(a) for a in node.all_input_nodes))
+
+
+def _feeds_only_communication(view: fx.Node) -> bool:
+    """Every use of ``view`` is communication; the pieces of a view that returns several
+    (``split``) are judged by their own uses."""
+    users = [w for u in view.users for w in (u.users if u.target is operator.getitem else [u])]
+    return bool(users) and all(is_communication(u) for u in users)
 
 
 _FACTORIES = frozenset({"full", "iota", "arange", "zeros", "ones", "scalar_tensor"})
