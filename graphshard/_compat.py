@@ -10,7 +10,9 @@ import contextlib
 import hashlib
 import logging
 import os
+import platform
 import tempfile
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -104,18 +106,71 @@ def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
     return config.patch(**kwargs)
 
 
+_isa_check: Future | None = None  # the picked vector ISA's build check (inductor_cpu_warmup)
+
+
 def inductor_cpu_warmup() -> None:
-    """Starts, on a daemon thread, the check Inductor makes before its first C++ kernel:
-    which vector ISAs the compiler can build (~4 s of gcc on the 2-core machine, cached per
-    process and on disk, one rank builds while the others wait on its lock). Started when
-    the joint graph's partition begins, it runs beside the ranks' partitions; started
-    earlier it slows the tracing rank that builds it, and left to the first region's
-    codegen it leaves a core idle while the other ranks wait on the lock."""
+    """Starts, on a daemon thread, the check Inductor makes before its first C++ kernel, that
+    the compiler builds (and the machine loads) code for the vector ISA it will use. Started
+    when the joint graph's partition begins, it runs beside the ranks' partitions; started
+    earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result."""
+    global _isa_check
+    if _isa_check is not None:
+        return
     import threading
 
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+    future: Future = Future()
+    _isa_check = future
 
-    threading.Thread(target=valid_vec_isa_list, name="graphshard-inductor-warmup", daemon=True).start()
+    def run() -> None:
+        try:
+            future.set_result(_check_picked_isa())
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="graphshard-inductor-warmup", daemon=True).start()
+
+
+def inductor_cpu_settings() -> dict[str, Any]:
+    """Inductor settings for a compile of CPU code: ``cpp.vec_isa_ok`` once the ISA Inductor
+    picks has passed its build check.
+
+    Inductor's ``valid_vec_isa_list`` builds a test library for every ISA the CPU reports,
+    one after another (AVX-512 VNNI, AVX-512 and AVX2 here: ~7 s of gcc on the 2-core
+    machine, ~3 s for the first), though it uses only the one it picks: the first of that
+    list. Each ISA's flags include the next one's, so a compiler that builds the first, on a
+    machine that loads it, builds the others too. graphshard checks only the ISA Inductor will
+    pick, with Inductor's own check (``bool(isa)``, cached per process and on disk), and when
+    it is the first and passes tells Inductor the check is done. Otherwise (another ISA asked
+    for through ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen`` or ``cpp.vec_isa_ok`` set by the
+    user, a CPU other than x86, a failed check) it returns no setting and Inductor checks
+    every ISA itself, as without graphshard."""
+    inductor_cpu_warmup()
+    try:
+        ok = _isa_check.result()
+    except Exception as e:  # noqa: BLE001 - Inductor then runs its own check
+        log.warning("graphshard: the vector-ISA check failed (%r); Inductor checks every ISA itself", e)
+        ok = False
+    return {"cpp.vec_isa_ok": True} if ok else {}
+
+
+def _check_picked_isa() -> bool:
+    """True when the ISA Inductor will pick is the first its CPU reports and passes Inductor's
+    build check; False when that shortcut does not apply (see ``inductor_cpu_settings``)."""
+    from torch._inductor import config
+    from torch._inductor import cpu_vec_isa as isa_mod
+
+    checker = getattr(isa_mod, "x86_isa_checker", None)
+    if (checker is None or platform.machine() not in ("x86_64", "AMD64") or config.is_fbcode()
+            or config.cpp.simdlen is not None or config.cpp.vec_isa_ok is not None):
+        return False
+    flags = checker()
+    candidates = [isa for isa in isa_mod.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    if not candidates:
+        return False
+    picked = isa_mod.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates,
+                                                  isa_mod.invalid_vec_isa)
+    return picked is candidates[0] and bool(picked)
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager:

@@ -200,8 +200,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         nonlocal partitioned, ahead
         base = (_compat.inductor_partition_fn if ctx.config.lower == "inductor"
                 else _compat.min_cut_rematerialization_partition)
-        if ctx.config.lower == "inductor" and any(
-                isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in joint_inputs):
+        if ctx.config.lower == "inductor" and any(x.device.type == "cpu" for x in _tensors(joint_inputs)):
             _compat.inductor_cpu_warmup()  # overlaps the partition (see the function)
         fw, bw = base(joint, joint_inputs, **kwargs)
         ctx.stage = "forward"
@@ -223,7 +222,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             if ctx.config.lower == "eager":
                 compiled = _compat.boxed_nop(g, inputs)
             elif ctx.config.regional and not _whole_graph(g, stage, ctx):
-                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, compile_threads=_compile_threads()):
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs),
+                                                   compile_threads=_compile_threads()):
                     compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
                                                             share=share,
                                                             ahead=ahead if stage == "forward" else None)
@@ -233,7 +233,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                     with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
                         f.write(compiled.describe() + "\n")
             else:
-                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS), _staggered(ctx.config.share_compile):
+                with (_compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs)),
+                      _staggered(ctx.config.share_compile)):
                     compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
                 _record_lowered(compiled, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
@@ -252,6 +253,21 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=partition,
         decompositions=decomps,
     )
+
+
+def _cpu_settings(inputs) -> dict:
+    """Inductor settings for a graph that computes on the CPU (``_compat.inductor_cpu_settings``)."""
+    return _compat.inductor_cpu_settings() if any(x.device.type == "cpu" for x in _tensors(inputs)) else {}
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """The tensors in ``values``, which may nest lists and tuples (the joint graph's inputs are
+    ``(primals, tangents)``)."""
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (list, tuple)):
+        return [t for v in values for t in _tensors(v)]
+    return []
 
 
 def _whole_graph(g: fx.GraphModule, stage: str, ctx: PassContext) -> bool:

@@ -1,0 +1,84 @@
+"""The vector-ISA check before the first C++ kernel (``_compat.inductor_cpu_settings``):
+graphshard checks only the ISA Inductor will pick, starts that check when the joint graph is
+partitioned, and compiles CPU code with Inductor told the check is done."""
+
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+import pytest
+import torch
+from torch._inductor import config as inductor_config
+
+import graphshard
+from _models import fsdp_plan, stack
+from graphshard import _compat
+
+x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the shortcut is x86-only")
+
+
+def _picked(script: str, cache: str) -> str:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+@x86
+def test_inductor_picks_the_same_isa_after_graphshards_check():
+    # Each in a fresh process: Inductor's own check of every ISA, and graphshard's check of the
+    # one it picks followed by Inductor's pick under the setting it returns.
+    own = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
+    ours = ("from graphshard import _compat\n"
+            "from torch._inductor import config\n"
+            "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
+            "settings = _compat.inductor_cpu_settings()\n"
+            "assert settings == {'cpp.vec_isa_ok': True}, settings\n"
+            "with config.patch(settings):\n"
+            "    print(pick_vec_isa())\n")
+    with tempfile.TemporaryDirectory() as cache:
+        expected = _picked(own, cache)
+        assert expected not in ("", "INVALID_VEC_ISA")
+        assert _picked(ours, cache) == expected
+
+
+def test_declines_when_another_isa_is_asked_for():
+    with mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "default"}):
+        assert not _compat._check_picked_isa()
+    with inductor_config.patch({"cpp.simdlen": 256}):
+        assert not _compat._check_picked_isa()
+    with inductor_config.patch({"cpp.vec_isa_ok": False}):
+        assert not _compat._check_picked_isa()
+
+
+def test_cpu_compile_starts_the_check_and_compiles_with_it():
+    events = []
+    warmup, compile_region = _compat.inductor_cpu_warmup, _compat.inductor_compile_region
+    partition = _compat.inductor_partition_fn
+
+    def record_partition(*args, **kwargs):
+        events.append("partition")
+        return partition(*args, **kwargs)
+
+    def record_warmup():
+        events.append("warmup")
+        return warmup()
+
+    def record_region(*args, **kwargs):
+        events.append(("region", inductor_config.cpp.vec_isa_ok))
+        return compile_region(*args, **kwargs)
+
+    with (mock.patch.object(_compat, "inductor_cpu_warmup", record_warmup),
+          mock.patch.object(_compat, "inductor_partition_fn", record_partition),
+          mock.patch.object(_compat, "inductor_compile_region", record_region)):
+        model = stack()
+        graphshard.compile(model, fsdp_plan(), lower="inductor")
+        model(torch.randn(4, 8)).sum().backward()
+    # Started at the partition, before the first region compiles; every region compiles
+    # with the check's outcome.
+    regions = [e for e in events if e not in ("warmup", "partition")]
+    assert events[:2] == ["warmup", "partition"] and regions
+    assert set(regions) == {("region", True if _compat._check_picked_isa() else None)}
