@@ -106,7 +106,7 @@ def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
     return config.patch(**kwargs)
 
 
-_isa_check: Future | None = None  # the picked vector ISA's build check (inductor_cpu_warmup)
+_isa_checks: dict[str, Future] = {}  # ISA -> its build check, started by inductor_cpu_warmup
 
 
 def inductor_cpu_warmup() -> None:
@@ -114,17 +114,17 @@ def inductor_cpu_warmup() -> None:
     the compiler builds (and the machine loads) code for the vector ISA it will use. Started
     when the joint graph's partition begins, it runs beside the ranks' partitions; started
     earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result."""
-    global _isa_check
-    if _isa_check is not None:
+    isa = _picked_isa()
+    if isa is None or str(isa) in _isa_checks:
         return
     import threading
 
     future: Future = Future()
-    _isa_check = future
+    _isa_checks[str(isa)] = future
 
     def run() -> None:
         try:
-            future.set_result(_check_picked_isa())
+            future.set_result(bool(isa))
         except BaseException as e:  # noqa: BLE001 - handed to the reader
             future.set_exception(e)
 
@@ -145,32 +145,35 @@ def inductor_cpu_settings() -> dict[str, Any]:
     for through ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen`` or ``cpp.vec_isa_ok`` set by the
     user, a CPU other than x86, a failed check) it returns no setting and Inductor checks
     every ISA itself, as without graphshard."""
+    isa = _picked_isa()
+    if isa is None:
+        return {}
     inductor_cpu_warmup()
     try:
-        ok = _isa_check.result()
+        ok = _isa_checks[str(isa)].result()
     except Exception as e:  # noqa: BLE001 - Inductor then runs its own check
-        log.warning("graphshard: the vector-ISA check failed (%r); Inductor checks every ISA itself", e)
+        log.warning("graphshard: the %s build check failed (%r); Inductor checks every ISA itself", isa, e)
         ok = False
     return {"cpp.vec_isa_ok": True} if ok else {}
 
 
-def _check_picked_isa() -> bool:
-    """True when the ISA Inductor will pick is the first its CPU reports and passes Inductor's
-    build check; False when that shortcut does not apply (see ``inductor_cpu_settings``)."""
+def _picked_isa():
+    """The ISA Inductor will pick when it is the first one the CPU reports and nothing asks for
+    another (read afresh on every call, no build); None when the shortcut does not apply."""
     from torch._inductor import config
     from torch._inductor import cpu_vec_isa as isa_mod
 
     checker = getattr(isa_mod, "x86_isa_checker", None)
     if (checker is None or platform.machine() not in ("x86_64", "AMD64") or config.is_fbcode()
             or config.cpp.simdlen is not None or config.cpp.vec_isa_ok is not None):
-        return False
+        return None
     flags = checker()
     candidates = [isa for isa in isa_mod.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
     if not candidates:
-        return False
+        return None
     picked = isa_mod.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates,
                                                   isa_mod.invalid_vec_isa)
-    return picked is candidates[0] and bool(picked)
+    return picked if picked is candidates[0] else None
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager:

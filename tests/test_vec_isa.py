@@ -46,12 +46,12 @@ def test_inductor_picks_the_same_isa_after_graphshards_check():
 
 
 def test_declines_when_another_isa_is_asked_for():
-    with mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "default"}):
-        assert not _compat._check_picked_isa()
-    with inductor_config.patch({"cpp.simdlen": 256}):
-        assert not _compat._check_picked_isa()
-    with inductor_config.patch({"cpp.vec_isa_ok": False}):
-        assert not _compat._check_picked_isa()
+    for asked in (mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "default"}),
+                  inductor_config.patch({"cpp.simdlen": 256}),
+                  inductor_config.patch({"cpp.vec_isa_ok": False})):
+        with asked:
+            assert _compat._picked_isa() is None
+            assert _compat.inductor_cpu_settings() == {}
 
 
 def test_cpu_compile_starts_the_check_and_compiles_with_it():
@@ -81,4 +81,5 @@ def test_cpu_compile_starts_the_check_and_compiles_with_it():
     # with the check's outcome.
     regions = [e for e in events if e not in ("warmup", "partition")]
     assert events[:2] == ["warmup", "partition"] and regions
-    assert set(regions) == {("region", True if _compat._check_picked_isa() else None)}
+    isa = _compat._picked_isa()
+    assert set(regions) == {("region", True if isa is not None and isa else None)}
