@@ -163,11 +163,11 @@ def _picked_isa():
     from torch._inductor import config
     from torch._inductor import cpu_vec_isa as isa_mod
 
-    checker = getattr(isa_mod, "x86_isa_checker", None)
-    if (checker is None or platform.machine() not in ("x86_64", "AMD64") or config.is_fbcode()
-            or config.cpp.simdlen is not None or config.cpp.vec_isa_ok is not None):
+    names = ("x86_isa_checker", "supported_vec_isa_list", "get_isa_from_cpu_capability", "invalid_vec_isa")
+    if (not all(hasattr(isa_mod, name) for name in names) or platform.machine() not in ("x86_64", "AMD64")
+            or config.is_fbcode() or config.cpp.simdlen is not None or config.cpp.vec_isa_ok is not None):
         return None
-    flags = checker()
+    flags = isa_mod.x86_isa_checker()
     candidates = [isa for isa in isa_mod.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
     if not candidates:
         return None
