@@ -12,7 +12,7 @@ import logging
 import os
 import platform
 import tempfile
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -110,25 +110,15 @@ _isa_checks: dict[str, Future] = {}  # ISA -> its build check, started by induct
 
 
 def inductor_cpu_warmup() -> None:
-    """Starts, on a daemon thread, the check Inductor makes before its first C++ kernel, that
-    the compiler builds (and the machine loads) code for the vector ISA it will use. Started
-    when the joint graph's partition begins, it runs beside the ranks' partitions; started
-    earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result."""
+    """Starts, on a thread of its own, the check Inductor makes before its first C++ kernel,
+    that the compiler builds (and the machine loads) code for the vector ISA it will use.
+    Started when the joint graph's partition begins, it runs beside the ranks' partitions;
+    started earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result."""
     isa = _picked_isa()
-    if isa is None or str(isa) in _isa_checks:
-        return
-    import threading
-
-    future: Future = Future()
-    _isa_checks[str(isa)] = future
-
-    def run() -> None:
-        try:
-            future.set_result(bool(isa))
-        except BaseException as e:  # noqa: BLE001 - handed to the reader
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="graphshard-inductor-warmup", daemon=True).start()
+    if isa is not None and str(isa) not in _isa_checks:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="graphshard-inductor-warmup")
+        _isa_checks[str(isa)] = pool.submit(bool, isa)
+        pool.shutdown(wait=False)  # the thread ends once the check is done
 
 
 def inductor_cpu_settings() -> dict[str, Any]:
