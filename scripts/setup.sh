@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what graphshard needs, idempotently: torch (>= 2.11; 2.13.0 CPU build here),
-# graphshard itself (editable) and the test tools. Safe to run on every invocation.
+# graphshard itself (editable) and the test tools (pytest, expecttest, transformers). Safe to run on every invocation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,6 +9,9 @@ if ! "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.sp
   "$PY" -m pip install -q "torch==2.13.0"
 fi
 "$PY" -c 'import expecttest, pytest' 2>/dev/null || "$PY" -m pip install -q "expecttest>=0.2" "pytest>=8"
+# The model-coverage suite builds HF transformers architectures from tiny configs (no downloads).
+"$PY" -c 'import transformers, sys; sys.exit(transformers.__version__ != "5.24.0")' 2>/dev/null \
+  || "$PY" -m pip install -q "transformers==5.24.0"
 # (Re)install unless graphshard is already importable from THIS checkout with its backend entry point.
 if ! "$PY" - "$PWD" <<'CHECK' 2>/dev/null; then
 import os, sys, importlib.metadata as m

@@ -5,6 +5,7 @@ Multi-rank numerics run in torchrun subprocesses with gloo (see tests/_launch.py
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -29,3 +30,52 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+# ---- the model-coverage table (tests/test_model_coverage.py) ----
+COVERAGE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "coverage_out")
+_coverage: dict = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--coverage", choices=("quick", "full"), default="quick",
+                     help="model-coverage suite: the CI share (quick) or every architecture x strategy x lowering")
+
+
+def record_coverage(results: dict) -> None:
+    _coverage.update(results)
+    os.makedirs(COVERAGE_DIR, exist_ok=True)
+    with open(os.path.join(COVERAGE_DIR, "model_coverage.json"), "w") as f:
+        json.dump(_coverage, f, indent=1)
+    with open(os.path.join(COVERAGE_DIR, "model_coverage.md"), "w") as f:
+        f.write(coverage_table(_coverage) + "\n")
+
+
+def coverage_table(results: dict) -> str:
+    """architecture x (strategy, lowering) -> ok / FAIL with the diff / the error class."""
+    archs = list(dict.fromkeys(c.split(":")[0] for c in results))
+    columns = list(dict.fromkeys(":".join(c.split(":")[1:]) for c in results))
+    lines = ["| arch | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for arch in archs:
+        cells = []
+        for col in columns:
+            r = results.get(f"{arch}:{col}")
+            if r is None:
+                cells.append("")
+            elif r["ok"]:
+                cells.append("ok")
+            elif "error" in r:
+                cells.append(f"FAIL {r['error']}")
+            else:
+                why = f"loss {r['loss_err']:.1e} param {r['param_err']:.1e}"
+                cells.append(f"FAIL {why}" + (f", {r['new_graphs']} new graphs" if r["new_graphs"] else ""))
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    ok = sum(r["ok"] for r in results.values())
+    lines.append(f"\n{ok}/{len(results)} ok")
+    return "\n".join(lines)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _coverage:
+        terminalreporter.write_sep("=", "model coverage (coverage_out/model_coverage.md)")
+        terminalreporter.write_line(coverage_table(_coverage))

@@ -1,0 +1,80 @@
+"""Model coverage: real third-party architectures (HF transformers from tiny configs, HF's
+defaults) trained under FSDP, tensor parallelism and FSDP + TP, lowered with Inductor and
+eagerly, each against the single-process run on the same global batch.
+
+The CI share (``QUICK``) runs in a few minutes; ``--coverage full`` runs every
+architecture x strategy x lowering (``tests/workers/hf_archs.py``). Either way the table
+(architecture x strategy x lowering -> ok / FAIL with the diff / the error class) is
+printed at the end of the run and written to ``coverage_out/model_coverage.md``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _launch import torchrun
+from workers.hf_archs import ARCHS
+
+pytest.importorskip("transformers", reason="the coverage suite needs transformers (the test extra)")
+
+pytestmark = pytest.mark.multirank
+
+LOWERINGS = ("inductor", "eager")
+
+
+def all_cases() -> list[str]:
+    cases = []
+    for name, arch in ARCHS.items():
+        strategies = ["fsdp"] + (["tp"] if arch.tp else []) + (["fsdp_tp"] if arch.fsdp_tp else [])
+        cases += [f"{name}:{s}:{lower}" for s in strategies for lower in LOWERINGS]
+    return cases
+
+
+# The CI share: the Llama family under every strategy and lowering, the written GPT-2 and
+# MoE plans, an encoder, an encoder-decoder and a vision model; Inductor where it compiles
+# once for many (the layers share regions), eager where a compile would add little.
+QUICK = [
+    "llama:fsdp:inductor", "llama:tp:inductor", "llama:tp:eager", "llama:fsdp_tp:eager",
+    "qwen3:tp:inductor", "qwen3:fsdp_tp:inductor", "gemma2:tp:eager", "gemma3:tp:eager",
+    "gpt2:tp:eager", "mixtral:tp:eager", "bert:fsdp:eager", "t5:fsdp:eager", "vit:fsdp:inductor",
+    "llama:tp:whole",
+]
+
+
+def selected(config) -> list[str]:
+    return all_cases() if config.getoption("coverage") == "full" else QUICK
+
+
+@pytest.fixture(scope="module")
+def coverage_results(request):
+    from conftest import record_coverage
+
+    cases = selected(request.config)
+    two = [c for c in cases if not c.split(":")[1] == "fsdp_tp"]
+    four = [c for c in cases if c.split(":")[1] == "fsdp_tp"]
+    results = {}
+    if two:
+        results.update({r["case"]: r for r in torchrun("coverage.py", two, nproc=2, timeout=3600)})
+    if four:
+        results.update({r["case"]: r for r in torchrun("coverage.py", four, nproc=4, timeout=3600)})
+    record_coverage(results)
+    return results
+
+
+def pytest_generate_tests(metafunc):
+    if "coverage_case" in metafunc.fixturenames:
+        metafunc.parametrize("coverage_case", selected(metafunc.config))
+
+
+def test_architecture_matches_single_process(coverage_results, coverage_case):
+    r = coverage_results[coverage_case]
+    assert r["ok"], {k: v for k, v in r.items() if k != "traceback"} | {"traceback": r.get("traceback", "")[-2000:]}
+    assert r["graph_breaks"] == 0 or r["new_graphs"] == 0, r
+
+
+def test_regional_and_whole_graph_lowering_agree(coverage_results, request):
+    # Regional lowering compiles each region on its own; it must compute what Inductor computes
+    # on the whole graph (buffer donation across regions once corrupted later regions' inputs).
+    regional, whole = coverage_results["llama:tp:inductor"], coverage_results["llama:tp:whole"]
+    assert regional["ok"] and whole["ok"], (regional, whole)
+    assert max(abs(a - b) for a, b in zip(regional["losses"], whole["losses"])) < 1e-5
