@@ -15,6 +15,7 @@ slice/select/index, complex views) lives in ``_view_rules.py``.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,12 +40,16 @@ class StridedShard:
 
     dim: int
     split_factor: int
-Rule = Callable[[fx.Node, list[Placement]], "tuple[list[Placement], Placement | list[Placement]]"]
+Rule = Callable[..., "tuple[list[Placement], Placement | list[Placement]]"]
 RULES: dict = {}
 
 
 def rule(*ops):
+    """Registers a rule ``(node, input placements) -> (required, output)`` for ``ops``. A rule
+    that also takes ``world`` (the axis's rank count) gets it: whether a layout can stay
+    sharded sometimes depends on how a dim divides over the ranks."""
     def deco(fn):
+        fn.takes_world = "world" in inspect.signature(fn).parameters
         for op in ops:
             RULES[op] = fn
         return fn
@@ -420,12 +425,15 @@ _SDPA = {
 
 
 @rule(*_SDPA)
-def sdpa(node, ins):
+def sdpa(node, ins, world: int):
     """Fused attention on [b, h, s, d]: q, k and v all sharded on the batch dim or all on the
-    heads dim (same head count: no GQA grouping across ranks) give outputs (attention output,
-    logsumexp, debug mask) sharded the same way; RNG state and sequence metadata are replicated.
-    The mask broadcasts to [b, h, sq, sk]: sharded where it has that dim at full size, else
-    replicated. A shard on the sequence or head_dim, or anything else, replicates."""
+    heads dim give outputs (attention output, logsumexp, debug mask) sharded the same way; RNG
+    state and sequence metadata are replicated. Grouped-query attention (fewer key/value heads
+    than query heads, each serving a group of consecutive query heads) shards its heads when
+    the key/value heads divide evenly over the ``world`` ranks: each rank's query heads are
+    then exactly the groups of its key/value heads. The mask broadcasts to [b, h, sq, sk]:
+    sharded where it has that dim at full size, else replicated. A shard on the sequence or
+    head_dim, or anything else, replicates."""
     q, k, v = node.args[:3]
     mask_name, sharded_outs = _SDPA[node.target]
     outs = val(node) if isinstance(val(node), (list, tuple)) else [val(node)]
@@ -442,8 +450,10 @@ def sdpa(node, ins):
     strategies = [([R] * n_in, outputs(None))]
     if all(_ndim(t) == 4 for t in (q, k, v)):
         mask = _arg(node, mask_name) if mask_name else None
+        hq, hk = _shape(q)[1], _shape(k)[1]
+        gqa = hk != hq and _shape(v)[1] == hk and hq % hk == 0 and hk % world == 0
         for d in (0, 1):
-            if len({_shape(t)[d] for t in (q, k, v)}) == 1 and _shape(q)[d] > 1:
+            if (len({_shape(t)[d] for t in (q, k, v)}) == 1 or (d == 1 and gqa)) and _shape(q)[d] > 1:
                 req = [Shard(d)] * 3
                 if n_in > 3:
                     req.append(_broadcast_req(mask, d, (*_shape(q)[:2], _shape(q)[2], _shape(k)[2])))

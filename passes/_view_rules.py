@@ -198,14 +198,30 @@ def _join(node, ins, out_dim_of):
     return _choose(ins, strategies)
 
 
+def _legacy_empty(t) -> bool:
+    """A 1-D tensor with no elements: ``cat`` skips it whatever the other inputs' shapes (HF's
+    ``DynamicCache`` starts each layer's keys and values as ``torch.tensor([])``)."""
+    v = val(t)
+    return v is not None and v.dim() == 1 and v.shape[0] == 0
+
+
 @rule(aten.cat.default)
 def cat(node, ins):
+    """Inputs sharded alike on a dim other than the joined one keep the shard (``_join``).
+    Legacy empty 1-D inputs take no part: they hold nothing to lay out and stay as they are."""
     tensors = node.args[0]
     out_nd = _ndim(node)
-    if len(ins) != len(tensors) or any(_ndim(t) != out_nd for t in tensors):
-        return [R] * len(ins), R  # legacy empty 1-D inputs: not worth a special case
+    if len(ins) != len(tensors):
+        return [R] * len(ins), R  # a non-tensor in the list (cannot happen for aten.cat)
+    real = [i for i, t in enumerate(tensors) if not (_legacy_empty(t) and out_nd != 1)]
+    if not real or any(_ndim(tensors[i]) != out_nd for i in real):
+        return [R] * len(ins), R
     dim = _dim(node, nd=out_nd)
-    return _join(node, ins, lambda d: None if d == dim else d)
+    req, out = _join(node, [ins[i] for i in real], lambda d: None if d == dim else d)
+    full = list(ins)
+    for i, r in zip(real, req):
+        full[i] = r
+    return full, out
 
 
 @rule(aten.stack.default)

@@ -125,6 +125,8 @@ def _annotate_op(node: fx.Node, axes: list[str], ctx: PassContext) -> set[fx.Nod
                 ctx.report.fallbacks.append(msg)
                 log.warning("graphshard fallback: %s", msg)
             req, out = [R] * len(cur), R
+        elif getattr(rule, "takes_world", False):
+            req, out = rule(node, cur, world=ctx.model_parallel[axis].world)
         else:
             req, out = rule(node, cur)
         for (pos, _), c, r in zip(args, cur, req):

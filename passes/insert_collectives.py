@@ -33,7 +33,7 @@ from graphshard.ops import ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.pipeline import PassContext, log
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -135,7 +135,13 @@ def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
     info = lookup_param(key)
     with g.inserting_before(marker):
         if info.shard is None and not info.replicate:
-            new = local  # no data-parallel axis: the local shard is the per-rank parameter
+            # No data-parallel axis: the local shard is the per-rank parameter. Until
+            # localize_shapes the program is logical, so a model-parallel shard enters it as
+            # an alias carrying the logical value (the placeholder's value is the local one).
+            new = local
+            if tuple(local.meta["val"].shape) != tuple(marker.meta["val"].shape):
+                new = g.call_function(aten.alias.default, (local,))
+                new.meta.update(marker.meta)
         else:
             un = g.call_function(ops.unshard.default, ([local], [key]))
             un.meta["val"] = [marker.meta["val"]]
@@ -161,6 +167,7 @@ def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassConte
         axis = ctx.model_parallel[axis_name]
         steps = _steps(src, target)
         for op, op_args, kind in steps:
+            before = src
             with g.inserting_after(x if x.op != "placeholder" else _last_placeholder(g)):
                 full_args = _op_args(op, x, op_args, axis)
                 new = g.call_function(op, full_args)
@@ -173,9 +180,27 @@ def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassConte
             ctx.report.collectives.append(
                 CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), _cause(consumer), "pre_autograd")
             )
+            if op == ops.all_gather.default and not _declared(consumer):
+                _report_gather(ctx, arg, consumer, axis_name, fmt_placement(before))
             x = new
     cache[key] = x
     return x
+
+
+def _declared(consumer: fx.Node) -> bool:
+    """Whether a redistribution for ``consumer`` is one the user asked for: a declared module
+    layout, or the logical value of a graph output."""
+    return consumer.op == "output" or (consumer.op == "call_function" and consumer.target == ops.layout.default)
+
+
+def _report_gather(ctx: PassContext, arg: fx.Node, consumer: fx.Node, axis: str, src: str) -> None:
+    """A gather no declared layout asked for: the consumer's rule could not keep the value
+    sharded (or the cheapest exact strategy replicates). Logged and listed by ``explain``."""
+    msg = (f"all_gather of {arg.name} ({src} -> R on {axis!r}) for node {consumer.name} ({consumer.target}): "
+           "its placement rule does not keep this layout sharded")
+    if msg not in ctx.report.fallbacks:
+        ctx.report.fallbacks.append(msg)
+        log.warning("graphshard fallback: %s", msg)
 
 
 def _cause(consumer: fx.Node) -> str:

@@ -41,9 +41,11 @@ def pre_autograd_passes() -> list[Pass]:
     from graphshard.passes.bucket_collectives import bucket_collectives
     from graphshard.passes.insert_collectives import insert_collectives
     from graphshard.passes.localize_shapes import localize_shapes
+    from graphshard.passes.relax_views import relax_views
     from graphshard.passes.tag_resharding import tag_resharding
 
     return [
+        relax_views,          # first: no later step may depend on the first trace's strides
         annotate_placements,  # placements from the markers and plan, on the logical program
         insert_collectives,   # needs every node's placement; replaces markers with unshard / local shards
         localize_shapes,      # after insertion: rewrites logical sizes to per-rank sizes, re-derives meta["val"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -129,3 +130,40 @@ class RotaryAttention(nn.Module):
 
 def rotary_attention(complex_form: bool = False):
     return seeded(RotaryAttention, 16, 4, 8, complex_form)
+
+
+class CachedGQAAttention(nn.Module):
+    """Attention as HF transformers writes it: grouped-query heads (``enable_gqa``), keys and
+    values appended to a cache that starts as the legacy empty ``torch.tensor([])``, and the
+    output merged back with ``view`` after a transpose (valid only for the strides of the
+    attention's output as first traced)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.q_proj = nn.Linear(dim, heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.o_proj = nn.Linear(heads * self.hd, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.hd).transpose(1, 2)
+        k = torch.cat([torch.tensor([]), k], dim=-2)
+        v = torch.cat([torch.tensor([]), v], dim=-2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).view(b, s, -1))
+
+
+def cached_gqa_attention(heads: int, kv_heads: int):
+    return seeded(CachedGQAAttention, 16, heads, kv_heads)
+
+
+def tp_qkvo_plan(shard_kv: bool = True):
+    """Column-parallel q (and k, v), row-parallel o: heads over the 4 ranks of "tp"."""
+    from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    kv = {"k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()} if shard_kv else {}
+    return graphshard.Plan(mesh1d("tp"), {"q_proj": ColwiseParallel(), **kv, "o_proj": RowwiseParallel()})

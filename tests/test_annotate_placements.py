@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from _golden import graph_after
 from _models import attention, mlp, rotary_attention, tp_attention_plan, tp_mlp_plan
+from conftest import WORLD
 from graphshard.passes import _rules
 from graphshard.passes._graph import fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
@@ -47,7 +48,9 @@ def op_node(op, *args, **kwargs) -> fx.Node:
 
 def apply(op, ins, *args, **kwargs) -> str:
     """``required -> output`` of ``op``'s rule for input placements ``ins``."""
-    req, out = _rules.lookup(op)(op_node(op, *args, **kwargs), list(ins))
+    rule = _rules.lookup(op)
+    extra = {"world": WORLD} if getattr(rule, "takes_world", False) else {}
+    req, out = rule(op_node(op, *args, **kwargs), list(ins), **extra)
     return f"{fmt(req)} -> {fmt(out)}"
 
 
@@ -133,24 +136,24 @@ class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[16, 4]"):
         param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
-        view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
-        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
+        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
         transpose: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
         param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
-        view_2: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
-        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
+        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
         transpose_1: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
         param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
-        view_4: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16]);  arg0_1 = None
+        view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
         _unsafe_view_2: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_2, [2, 8, 16]);  mm_2 = None
-        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
+        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
         transpose_2: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
         transpose_3: "f32[2, 4, 4, 8]" = torch.ops.aten.transpose.int(transpose_1, -2, -1);  transpose_1 = None
         expand: "f32[2, 4, 8, 4]" = torch.ops.aten.expand.default(transpose, [2, 4, 8, 4]);  transpose = None
@@ -167,7 +170,7 @@ class <lambda>(torch.nn.Module):
         add: "f32[2, 4, 8, 8]" = torch.ops.aten.add.Tensor(div, triu);  div = triu = None
         _softmax: "f32[2, 4, 8, 8]" = torch.ops.aten._softmax.default(add, -1, False);  add = None
         expand_2: "f32[2, 4, 8, 8]" = torch.ops.aten.expand.default(_softmax, [2, 4, 8, 8]);  _softmax = None
-        view_6: "f32[8, 8, 8]" = torch.ops.aten.view.default(expand_2, [8, 8, 8]);  expand_2 = None
+        view_6: "f32[8, 8, 8]" = torch.ops.aten.reshape.default(expand_2, [8, 8, 8]);  expand_2 = None
         expand_3: "f32[2, 4, 8, 4]" = torch.ops.aten.expand.default(transpose_2, [2, 4, 8, 4]);  transpose_2 = None
         clone_2: "f32[2, 4, 8, 4]" = torch.ops.aten.clone.default(expand_3, memory_format = torch.contiguous_format);  expand_3 = None
         _unsafe_view_6: "f32[8, 8, 4]" = torch.ops.aten._unsafe_view.default(clone_2, [8, 8, 4]);  clone_2 = None
@@ -178,7 +181,7 @@ class <lambda>(torch.nn.Module):
         _unsafe_view_8: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(clone_3, [2, 8, 16]);  clone_3 = None
         param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg4_1, 'wo.weight', [16, 16]);  arg4_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
-        view_7: "f32[16, 16]" = torch.ops.aten.view.default(_unsafe_view_8, [16, 16]);  _unsafe_view_8 = None
+        view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(_unsafe_view_8, [16, 16]);  _unsafe_view_8 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
         _unsafe_view_9: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_3, [2, 8, 16]);  mm_3 = None
         return (_unsafe_view_9,)
@@ -261,22 +264,22 @@ class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[8, 4]", arg5_1: "f32[8, 4]", arg6_1: "f32[16, 4]"):
         param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
-        view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
-        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
+        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
         param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
-        view_2: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
-        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
+        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
         param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
-        view_4: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16]);  arg0_1 = None
+        view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
         _unsafe_view_2: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_2, [2, 8, 16]);  mm_2 = None
-        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
+        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
         transpose: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
         arange: "i64[8]" = torch.ops.aten.arange.default(8, device = device(type='cpu'), pin_memory = False)
         transpose_1: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
@@ -303,10 +306,10 @@ class <lambda>(torch.nn.Module):
         getitem_4: "f32[2, 4, 8, 4]" = _scaled_dot_product_flash_attention_for_cpu[0]
         getitem_5: "f32[2, 4, 8]" = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = getitem_5 = None
         transpose_3: "f32[2, 8, 4, 4]" = torch.ops.aten.transpose.int(getitem_4, 1, 2);  getitem_4 = None
-        view_6: "f32[2, 8, 16]" = torch.ops.aten.view.default(transpose_3, [2, 8, 16]);  transpose_3 = None
+        view_6: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(transpose_3, [2, 8, 16]);  transpose_3 = None
         param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg6_1, 'wo.weight', [16, 16]);  arg6_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
-        view_7: "f32[16, 16]" = torch.ops.aten.view.default(view_6, [16, 16]);  view_6 = None
+        view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(view_6, [16, 16]);  view_6 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
         _unsafe_view_3: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_3, [2, 8, 16]);  mm_3 = None
         return (_unsafe_view_3,)
@@ -379,46 +382,46 @@ class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "c64[8, 2]", arg5_1: "f32[16, 4]"):
         param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
-        view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
-        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
+        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
         param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
-        view_2: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
-        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
+        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
         param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
-        view_4: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16]);  arg0_1 = None
+        view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
         _unsafe_view_2: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_2, [2, 8, 16]);  mm_2 = None
-        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
+        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
         transpose: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
         arange: "i64[8]" = torch.ops.aten.arange.default(8, device = device(type='cpu'), pin_memory = False)
         index: "c64[8, 2]" = torch.ops.aten.index.Tensor(arg4_1, [arange]);  arg4_1 = arange = None
-        view_6: "c64[1, 8, 1, 2]" = torch.ops.aten.view.default(index, [1, 8, 1, 2]);  index = None
-        view_7: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.view.default(view_1, [2, 8, 4, -1, 2]);  view_1 = None
+        view_6: "c64[1, 8, 1, 2]" = torch.ops.aten.reshape.default(index, [1, 8, 1, 2]);  index = None
+        view_7: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.reshape.default(view_1, [2, 8, 4, -1, 2]);  view_1 = None
         view_as_complex: "c64[2, 8, 4, 2]" = torch.ops.aten.view_as_complex.default(view_7);  view_7 = None
         mul: "c64[2, 8, 4, 2]" = torch.ops.aten.mul.Tensor(view_as_complex, view_6);  view_as_complex = None
         view_as_real: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.view_as_real.default(mul);  mul = None
-        view_8: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(view_as_real, [2, 8, 4, 4]);  view_as_real = None
+        view_8: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(view_as_real, [2, 8, 4, 4]);  view_as_real = None
         transpose_1: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_8, 1, 2);  view_8 = None
-        view_9: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.view.default(view_3, [2, 8, 4, -1, 2]);  view_3 = None
+        view_9: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.reshape.default(view_3, [2, 8, 4, -1, 2]);  view_3 = None
         view_as_complex_1: "c64[2, 8, 4, 2]" = torch.ops.aten.view_as_complex.default(view_9);  view_9 = None
         mul_1: "c64[2, 8, 4, 2]" = torch.ops.aten.mul.Tensor(view_as_complex_1, view_6);  view_as_complex_1 = view_6 = None
         view_as_real_1: "f32[2, 8, 4, 2, 2]" = torch.ops.aten.view_as_real.default(mul_1);  mul_1 = None
-        view_10: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(view_as_real_1, [2, 8, 4, 4]);  view_as_real_1 = None
+        view_10: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(view_as_real_1, [2, 8, 4, 4]);  view_as_real_1 = None
         transpose_2: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_10, 1, 2);  view_10 = None
         _scaled_dot_product_flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(transpose_1, transpose_2, transpose, 0.0, True);  transpose_1 = transpose_2 = transpose = None
         getitem: "f32[2, 4, 8, 4]" = _scaled_dot_product_flash_attention_for_cpu[0]
         getitem_1: "f32[2, 4, 8]" = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = getitem_1 = None
         transpose_3: "f32[2, 8, 4, 4]" = torch.ops.aten.transpose.int(getitem, 1, 2);  getitem = None
-        view_11: "f32[2, 8, 16]" = torch.ops.aten.view.default(transpose_3, [2, 8, 16]);  transpose_3 = None
+        view_11: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(transpose_3, [2, 8, 16]);  transpose_3 = None
         param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg5_1, 'wo.weight', [16, 16]);  arg5_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
-        view_12: "f32[16, 16]" = torch.ops.aten.view.default(view_11, [16, 16]);  view_11 = None
+        view_12: "f32[16, 16]" = torch.ops.aten.reshape.default(view_11, [16, 16]);  view_11 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_12, t_3);  view_12 = t_3 = None
         _unsafe_view_3: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_3, [2, 8, 16]);  mm_3 = None
         return (_unsafe_view_3,)
@@ -612,6 +615,8 @@ amax = amax.default(x_1: S(1)->R) -> R
             ("cat partial and replicated", aten.cat.default, [P, R], [x, x], 1),
             ("cat partial and shard", aten.cat.default, [P, Shard(1)], [x, x], -1),
             ("cat P(max) and replicated", aten.cat.default, [PMAX, R], [x, x], -1),
+            ("cat legacy empty and sharded (a KV cache)", aten.cat.default, [R, Shard(1)], [T(0), x], -1),
+            ("cat legacy empty and sharded, along the shard", aten.cat.default, [R, Shard(1)], [T(0), x], 1),
             ("stack at 0", aten.stack.default, [Shard(1), Shard(1)], [x, x]),
             ("stack at the shard", aten.stack.default, [Shard(1), R], [x, x], 1),
             ("stack strided", aten.stack.default, [StridedShard(0, 2), StridedShard(0, 2)], [x, x], -1),
@@ -654,6 +659,8 @@ cat partials: (P, P) -> P
 cat partial and replicated: (R, R) -> R
 cat partial and shard: (S(1), S(1)) -> S(1)
 cat P(max) and replicated: (R, R) -> R
+cat legacy empty and sharded (a KV cache): (R, S(1)) -> S(1)
+cat legacy empty and sharded, along the shard: (R, R) -> R
 stack at 0: (S(1), S(1)) -> S(2)
 stack at the shard: (S(1), S(1)) -> S(2)
 stack strided: (S(0/2), S(0/2)) -> S(0/2)
@@ -826,7 +833,8 @@ _safe_softmax, softmax dim: (R) -> R
             ("heads, mask [s, s]", cpu, [Shard(1)] * 3 + [R], q, q, q, {"attn_mask": T(8, 8)}),
             ("heads, mask [b, h, s, s]", cpu, [Shard(1)] * 3 + [R], q, q, q, {"attn_mask": T(2, 4, 8, 8)}),
             ("batch, mask [b, 1, s, s]", cpu, [Shard(0)] * 3 + [R], q, q, q, {"attn_mask": T(2, 1, 8, 8)}),
-            ("heads, GQA (4 q heads, 2 kv heads)", cpu, [Shard(1)] * 3, q, gqa_kv, gqa_kv),
+            ("heads, GQA (4 q heads, 2 kv heads over 4 ranks)", cpu, [Shard(1)] * 3, q, gqa_kv, gqa_kv),
+            ("heads, GQA (8 q heads, 4 kv heads over 4 ranks)", cpu, [Shard(1)] * 3, T(2, 8, 8, 4), q, q),
             ("partial q", cpu, [P, R, R], q, q, q),
             ("flash (GPU), heads", aten._scaled_dot_product_flash_attention.default, [Shard(1)] * 3, q, q, q),
             ("efficient (GPU), heads, bias [h, s, s]", aten._scaled_dot_product_efficient_attention.default,
@@ -842,7 +850,8 @@ head_dim sharded: (R, R, R) -> (R, R)
 heads, mask [s, s]: (S(1), S(1), S(1), R) -> (S(1), S(1))
 heads, mask [b, h, s, s]: (S(1), S(1), S(1), S(1)) -> (S(1), S(1))
 batch, mask [b, 1, s, s]: (S(0), S(0), S(0), S(0)) -> (S(0), S(0))
-heads, GQA (4 q heads, 2 kv heads): (R, R, R) -> (R, R)
+heads, GQA (4 q heads, 2 kv heads over 4 ranks): (R, R, R) -> (R, R)
+heads, GQA (8 q heads, 4 kv heads over 4 ranks): (S(1), S(1), S(1)) -> (S(1), S(1))
 partial q: (R, R, R) -> (R, R)
 flash (GPU), heads: (S(1), S(1), S(1)) -> (S(1), S(1), R, R, R, R, R, R, R)
 efficient (GPU), heads, bias [h, s, s]: (S(1), S(1), S(1), S(0)) -> (S(1), S(1), R, R)

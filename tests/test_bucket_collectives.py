@@ -44,22 +44,22 @@ class <lambda>(torch.nn.Module):
         getitem_1: "f32[2, 8, 1]" = native_layer_norm[1];  getitem_1 = None
         getitem_2: "f32[2, 8, 1]" = native_layer_norm[2];  native_layer_norm = getitem_2 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(getitem_32);  getitem_32 = None
-        view: "f32[16, 16]" = torch.ops.aten.view.default(getitem, [16, 16])
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(getitem, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
-        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
+        view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
         transpose: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(getitem_33);  getitem_33 = None
-        view_2: "f32[16, 16]" = torch.ops.aten.view.default(getitem, [16, 16])
+        view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(getitem, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
-        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
+        view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
         transpose_1: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(getitem_34);  getitem_34 = None
-        view_4: "f32[16, 16]" = torch.ops.aten.view.default(getitem, [16, 16]);  getitem = None
+        view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(getitem, [16, 16]);  getitem = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
         _unsafe_view_2: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_2, [2, 8, 16]);  mm_2 = None
-        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.view.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
+        view_5: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_2, [2, 8, 4, 4]);  _unsafe_view_2 = None
         transpose_2: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
         transpose_3: "f32[2, 4, 4, 8]" = torch.ops.aten.transpose.int(transpose_1, -2, -1);  transpose_1 = None
         expand: "f32[2, 4, 8, 4]" = torch.ops.aten.expand.default(transpose, [2, 4, 8, 4]);  transpose = None
@@ -76,7 +76,7 @@ class <lambda>(torch.nn.Module):
         add_1: "f32[2, 4, 8, 8]" = torch.ops.aten.add.Tensor(div, triu);  div = triu = None
         _softmax: "f32[2, 4, 8, 8]" = torch.ops.aten._softmax.default(add_1, -1, False);  add_1 = None
         expand_2: "f32[2, 4, 8, 8]" = torch.ops.aten.expand.default(_softmax, [2, 4, 8, 8]);  _softmax = None
-        view_6: "f32[8, 8, 8]" = torch.ops.aten.view.default(expand_2, [8, 8, 8]);  expand_2 = None
+        view_6: "f32[8, 8, 8]" = torch.ops.aten.reshape.default(expand_2, [8, 8, 8]);  expand_2 = None
         expand_3: "f32[2, 4, 8, 4]" = torch.ops.aten.expand.default(transpose_2, [2, 4, 8, 4]);  transpose_2 = None
         clone_2: "f32[2, 4, 8, 4]" = torch.ops.aten.clone.default(expand_3, memory_format = torch.contiguous_format);  expand_3 = None
         _unsafe_view_6: "f32[8, 8, 4]" = torch.ops.aten._unsafe_view.default(clone_2, [8, 8, 4]);  clone_2 = None
@@ -86,7 +86,7 @@ class <lambda>(torch.nn.Module):
         clone_3: "f32[2, 8, 4, 4]" = torch.ops.aten.clone.default(transpose_4, memory_format = torch.contiguous_format);  transpose_4 = None
         _unsafe_view_8: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(clone_3, [2, 8, 16]);  clone_3 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(getitem_35);  getitem_35 = None
-        view_7: "f32[16, 16]" = torch.ops.aten.view.default(_unsafe_view_8, [16, 16]);  _unsafe_view_8 = None
+        view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(_unsafe_view_8, [16, 16]);  _unsafe_view_8 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
         _unsafe_view_9: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_3, [2, 8, 16]);  mm_3 = None
         add_2: "f32[2, 8, 16]" = torch.ops.aten.add.Tensor(add, _unsafe_view_9);  add = _unsafe_view_9 = None
@@ -94,22 +94,22 @@ class <lambda>(torch.nn.Module):
         getitem_3: "f32[2, 8, 16]" = native_layer_norm_1[0]
         getitem_4: "f32[2, 8, 1]" = native_layer_norm_1[1];  getitem_4 = None
         getitem_5: "f32[2, 8, 1]" = native_layer_norm_1[2];  native_layer_norm_1 = getitem_5 = None
-        view_8: "f32[16, 16]" = torch.ops.aten.view.default(getitem_3, [16, 16]);  getitem_3 = None
+        view_8: "f32[16, 16]" = torch.ops.aten.reshape.default(getitem_3, [16, 16]);  getitem_3 = None
         t_4: "f32[16, 64]" = torch.ops.aten.t.default(getitem_38);  getitem_38 = None
         addmm: "f32[16, 64]" = torch.ops.aten.addmm.default(getitem_39, view_8, t_4);  getitem_39 = view_8 = t_4 = None
-        view_9: "f32[2, 8, 64]" = torch.ops.aten.view.default(addmm, [2, 8, 64]);  addmm = None
+        view_9: "f32[2, 8, 64]" = torch.ops.aten.reshape.default(addmm, [2, 8, 64]);  addmm = None
         gelu: "f32[2, 8, 64]" = torch.ops.aten.gelu.default(view_9);  view_9 = None
-        view_10: "f32[16, 64]" = torch.ops.aten.view.default(gelu, [16, 64]);  gelu = None
+        view_10: "f32[16, 64]" = torch.ops.aten.reshape.default(gelu, [16, 64]);  gelu = None
         t_5: "f32[64, 16]" = torch.ops.aten.t.default(getitem_40);  getitem_40 = None
         addmm_1: "f32[16, 16]" = torch.ops.aten.addmm.default(getitem_41, view_10, t_5);  getitem_41 = view_10 = t_5 = None
-        view_11: "f32[2, 8, 16]" = torch.ops.aten.view.default(addmm_1, [2, 8, 16]);  addmm_1 = None
+        view_11: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(addmm_1, [2, 8, 16]);  addmm_1 = None
         add_3: "f32[2, 8, 16]" = torch.ops.aten.add.Tensor(add_2, view_11);  add_2 = view_11 = None
         native_layer_norm_2 = torch.ops.aten.native_layer_norm.default(add_3, [16], getitem_28, getitem_29, 1e-05);  add_3 = getitem_28 = getitem_29 = None
         getitem_6: "f32[2, 8, 16]" = native_layer_norm_2[0]
         getitem_7: "f32[2, 8, 1]" = native_layer_norm_2[1];  getitem_7 = None
         getitem_8: "f32[2, 8, 1]" = native_layer_norm_2[2];  native_layer_norm_2 = getitem_8 = None
         t_6: "f32[16, 32]" = torch.ops.aten.t.default(getitem_26);  getitem_26 = None
-        view_12: "f32[16, 16]" = torch.ops.aten.view.default(getitem_6, [16, 16]);  getitem_6 = None
+        view_12: "f32[16, 16]" = torch.ops.aten.reshape.default(getitem_6, [16, 16]);  getitem_6 = None
         mm_4: "f32[16, 32]" = torch.ops.aten.mm.default(view_12, t_6);  view_12 = t_6 = None
         _unsafe_view_10: "f32[2, 8, 32]" = torch.ops.aten._unsafe_view.default(mm_4, [2, 8, 32]);  mm_4 = None
         return (_unsafe_view_10,)

@@ -16,23 +16,26 @@ class TestLocalizeShapes(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[16, 4]"):
-        t: "f32[16, 4]" = torch.ops.aten.t.default(arg1_1);  arg1_1 = None
-        view: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        alias_default: "f32[4, 16]" = torch.ops.aten.alias.default(arg1_1);  arg1_1 = None
+        t: "f32[16, 4]" = torch.ops.aten.t.default(alias_default);  alias_default = None
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 4]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 4]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 4]);  mm = None
-        view_1: "f32[2, 8, 1, 4]" = torch.ops.aten.view.default(_unsafe_view, [2, 8, 1, 4]);  _unsafe_view = None
+        view_1: "f32[2, 8, 1, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 1, 4]);  _unsafe_view = None
         transpose: "f32[2, 1, 8, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-        t_1: "f32[16, 4]" = torch.ops.aten.t.default(arg2_1);  arg2_1 = None
-        view_2: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16])
+        alias_default_1: "f32[4, 16]" = torch.ops.aten.alias.default(arg2_1);  arg2_1 = None
+        t_1: "f32[16, 4]" = torch.ops.aten.t.default(alias_default_1);  alias_default_1 = None
+        view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 4]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 4]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 4]);  mm_1 = None
-        view_3: "f32[2, 8, 1, 4]" = torch.ops.aten.view.default(_unsafe_view_1, [2, 8, 1, 4]);  _unsafe_view_1 = None
+        view_3: "f32[2, 8, 1, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 1, 4]);  _unsafe_view_1 = None
         transpose_1: "f32[2, 1, 8, 4]" = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
-        t_2: "f32[16, 4]" = torch.ops.aten.t.default(arg3_1);  arg3_1 = None
-        view_4: "f32[16, 16]" = torch.ops.aten.view.default(arg0_1, [16, 16]);  arg0_1 = None
+        alias_default_2: "f32[4, 16]" = torch.ops.aten.alias.default(arg3_1);  arg3_1 = None
+        t_2: "f32[16, 4]" = torch.ops.aten.t.default(alias_default_2);  alias_default_2 = None
+        view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 4]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
         _unsafe_view_2: "f32[2, 8, 4]" = torch.ops.aten._unsafe_view.default(mm_2, [2, 8, 4]);  mm_2 = None
-        view_5: "f32[2, 8, 1, 4]" = torch.ops.aten.view.default(_unsafe_view_2, [2, 8, 1, 4]);  _unsafe_view_2 = None
+        view_5: "f32[2, 8, 1, 4]" = torch.ops.aten.reshape.default(_unsafe_view_2, [2, 8, 1, 4]);  _unsafe_view_2 = None
         transpose_2: "f32[2, 1, 8, 4]" = torch.ops.aten.transpose.int(view_5, 1, 2);  view_5 = None
         transpose_3: "f32[2, 1, 4, 8]" = torch.ops.aten.transpose.int(transpose_1, -2, -1);  transpose_1 = None
         expand: "f32[2, 1, 8, 4]" = torch.ops.aten.expand.default(transpose, [2, 1, 8, 4]);  transpose = None
@@ -49,7 +52,7 @@ class <lambda>(torch.nn.Module):
         add: "f32[2, 1, 8, 8]" = torch.ops.aten.add.Tensor(div, triu);  div = triu = None
         _softmax: "f32[2, 1, 8, 8]" = torch.ops.aten._softmax.default(add, -1, False);  add = None
         expand_2: "f32[2, 1, 8, 8]" = torch.ops.aten.expand.default(_softmax, [2, 1, 8, 8]);  _softmax = None
-        view_6: "f32[2, 8, 8]" = torch.ops.aten.view.default(expand_2, [2, 8, 8]);  expand_2 = None
+        view_6: "f32[2, 8, 8]" = torch.ops.aten.reshape.default(expand_2, [2, 8, 8]);  expand_2 = None
         expand_3: "f32[2, 1, 8, 4]" = torch.ops.aten.expand.default(transpose_2, [2, 1, 8, 4]);  transpose_2 = None
         clone_2: "f32[2, 1, 8, 4]" = torch.ops.aten.clone.default(expand_3, memory_format = torch.contiguous_format);  expand_3 = None
         _unsafe_view_6: "f32[2, 8, 4]" = torch.ops.aten._unsafe_view.default(clone_2, [2, 8, 4]);  clone_2 = None
@@ -58,8 +61,9 @@ class <lambda>(torch.nn.Module):
         transpose_4: "f32[2, 8, 1, 4]" = torch.ops.aten.transpose.int(_unsafe_view_7, 1, 2);  _unsafe_view_7 = None
         clone_3: "f32[2, 8, 1, 4]" = torch.ops.aten.clone.default(transpose_4, memory_format = torch.contiguous_format);  transpose_4 = None
         _unsafe_view_8: "f32[2, 8, 4]" = torch.ops.aten._unsafe_view.default(clone_3, [2, 8, 4]);  clone_3 = None
-        t_3: "f32[4, 16]" = torch.ops.aten.t.default(arg4_1);  arg4_1 = None
-        view_7: "f32[16, 4]" = torch.ops.aten.view.default(_unsafe_view_8, [16, 4]);  _unsafe_view_8 = None
+        alias_default_3: "f32[16, 4]" = torch.ops.aten.alias.default(arg4_1);  arg4_1 = None
+        t_3: "f32[4, 16]" = torch.ops.aten.t.default(alias_default_3);  alias_default_3 = None
+        view_7: "f32[16, 4]" = torch.ops.aten.reshape.default(_unsafe_view_8, [16, 4]);  _unsafe_view_8 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
         _unsafe_view_9: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_3, [2, 8, 16]);  mm_3 = None
         all_reduce_default: "f32[2, 8, 16]" = torch.ops.graphshard.all_reduce.default(_unsafe_view_9, 'tp', 4);  _unsafe_view_9 = None

@@ -67,10 +67,13 @@ class TestGoldenGraphs(TestCase):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[4, 16]", arg1_1: "f32[8, 16]", arg2_1: "f32[8]", arg3_1: "f32[8, 8]", arg4_1: "f32[8]"):
         to_partial_default: "f32[8]" = torch.ops.graphshard.to_partial.default(arg4_1, 0);  arg4_1 = None
-        t: "f32[16, 8]" = torch.ops.aten.t.default(arg1_1);  arg1_1 = None
-        addmm: "f32[4, 8]" = torch.ops.aten.addmm.default(arg2_1, arg0_1, t);  arg2_1 = arg0_1 = t = None
+        alias_default: "f32[8, 16]" = torch.ops.aten.alias.default(arg1_1);  arg1_1 = None
+        alias_default_1: "f32[8]" = torch.ops.aten.alias.default(arg2_1);  arg2_1 = None
+        t: "f32[16, 8]" = torch.ops.aten.t.default(alias_default);  alias_default = None
+        addmm: "f32[4, 8]" = torch.ops.aten.addmm.default(alias_default_1, arg0_1, t);  alias_default_1 = arg0_1 = t = None
         gelu: "f32[4, 8]" = torch.ops.aten.gelu.default(addmm);  addmm = None
-        t_1: "f32[8, 8]" = torch.ops.aten.t.default(arg3_1);  arg3_1 = None
+        alias_default_2: "f32[8, 8]" = torch.ops.aten.alias.default(arg3_1);  arg3_1 = None
+        t_1: "f32[8, 8]" = torch.ops.aten.t.default(alias_default_2);  alias_default_2 = None
         addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(to_partial_default, gelu, t_1);  to_partial_default = gelu = t_1 = None
         all_reduce_default: "f32[4, 8]" = torch.ops.graphshard.all_reduce.default(addmm_1, 'tp', 4);  addmm_1 = None
         return (all_reduce_default,)
