@@ -42,12 +42,16 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cache: dict[tuple, fx.Node] = {}
     for node in list(g.nodes):
         if node.op == "call_function" and node.target == ops.param.default:
-            _replace_marker(g, node, ctx)
+            # The parameter as the program now reads it needs a gradient as the marker did
+            # (``_guard_replicated_grads`` asks, once FullyShard has replaced it by a gather).
+            needs_grad.add(_replace_marker(g, node, ctx))
             continue
         req = node.meta.get("required") or {}
         for pos, want in req.items():
             arg = _get_arg(node, pos)
             new = _redistribute(g, arg, want, node, ctx, cache)
+            if arg in needs_grad:
+                needs_grad.add(new)
             _set_arg(node, pos, new)
         if node.op == "call_function" and node.target == ops.layout.default:
             node.replace_all_uses_with(node.args[0])
@@ -130,7 +134,8 @@ def _needs_grad(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
     return out
 
 
-def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
+def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> fx.Node:
+    """Replaces ``marker`` by the per-rank parameter it stands for; returns that node."""
     local, key = marker.args[0], marker.args[1]
     info = lookup_param(key)
     with g.inserting_before(marker):
@@ -152,6 +157,7 @@ def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> None:
         new.meta["placement"] = marker.meta["placement"]
     marker.replace_all_uses_with(new)
     g.erase_node(marker)
+    return new
 
 
 def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassContext, cache) -> fx.Node:

@@ -167,3 +167,28 @@ def tp_qkvo_plan(shard_kv: bool = True):
 
     kv = {"k_proj": ColwiseParallel(), "v_proj": ColwiseParallel()} if shard_kv else {}
     return graphshard.Plan(mesh1d("tp"), {"q_proj": ColwiseParallel(), **kv, "o_proj": RowwiseParallel()})
+
+
+class QNormAttention(nn.Module):
+    """Qwen3's query norm: an RMSNorm over each head's dims, its weight applied to every head."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.q_norm = nn.RMSNorm(self.hd)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.hd))
+        return self.o_proj(q.view(b, s, -1))
+
+
+def fsdp_tp_qnorm():
+    """QNormAttention with q/o tensor-parallel on "tp" and FullyShard on "dp" (2x2 mesh)."""
+    from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = graphshard.Plan(mesh, {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel(), "": graphshard.FullyShard()})
+    return seeded(QNormAttention), plan

@@ -2,7 +2,7 @@ import torch
 from expecttest import TestCase
 
 from _golden import graph_after
-from _models import fsdp_plan, mlp, tp_mlp_plan
+from _models import fsdp_plan, fsdp_tp_qnorm, mlp, tp_mlp_plan
 import graphshard
 
 
@@ -89,3 +89,12 @@ class <lambda>(torch.nn.Module):
         all_reduce_default: "f32[4, 8]" = torch.ops.graphshard.all_reduce.default(addmm_2, 'tp', 4);  addmm_2 = None
         return (all_reduce_default,)
 """)
+
+    def test_replicated_weight_of_sharded_heads_gets_grad_all_reduce_under_fullyshard(self):
+        # q_norm.weight is replicated over "tp" but scales head-sharded values: each tp rank's
+        # gradient is a partial sum and must be all-reduced over "tp", also when FullyShard has
+        # replaced its marker by a data-parallel gather (it was left partial: Qwen3 under FSDP + TP).
+        model, plan = fsdp_tp_qnorm()
+        text = graph_after(model, plan, (torch.randn(2, 8, 16),), "insert_collectives")
+        gathered = next(l.split(":")[0].strip() for l in text.splitlines() if "unshard_default_1[0]" in l)
+        self.assertIn(f"graphshard.grad_all_reduce.default({gathered}, 'tp', 2)", text)
