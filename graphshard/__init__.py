@@ -7,6 +7,6 @@ collectives the plan implies, scheduled to overlap compute, lowered by Inductor.
 
 from graphshard.api import compile, explain, shard
 from graphshard.config import CompileConfig
-from graphshard.plan import FullyShard, Plan, Replicate, ShardParams
+from graphshard.plan import FullyShard, Plan, Replicate, ShardParams, StridedShard
 
-__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "CompileConfig", "shard", "compile", "explain"]
+__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "StridedShard", "CompileConfig", "shard", "compile", "explain"]

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from graphshard._compat import c10d
 from graphshard.params import AxisGroup, ParamInfo, chunk_size, lookup
+from graphshard.plan import StridedShard
 
 lib = torch.library.Library("graphshard", "DEF")
 lib.define("param(Tensor local, str key, SymInt[] shape) -> Tensor")
@@ -261,9 +262,19 @@ def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo
 def _gather_logical(local: torch.Tensor, info: ParamInfo) -> torch.Tensor:
     x = gather_params([local], [info])[0]
     for axis, pl in info.model_parallel:
-        if pl.is_shard():
+        if isinstance(pl, StridedShard):  # each block's pieces gathered: blocks as a dim of their own
+            blocks = x.unflatten(pl.dim, (pl.split_factor, -1))
+            size = info.logical_shape[pl.dim] // pl.split_factor
+            x = _gather_dim(blocks, pl.dim + 1, size, axis.group_name, axis.world).flatten(pl.dim, pl.dim + 1)
+        elif pl.is_shard():
             x = _gather_dim(x, pl.dim, info.logical_shape[pl.dim], axis.group_name, axis.world)
     return x
+
+
+def local_strided_chunk(x: torch.Tensor, dim: int, split_factor: int, world: int, rank: int) -> torch.Tensor:
+    """``rank``'s piece of each of the ``split_factor`` blocks of ``x`` along ``dim``, in order."""
+    blocks = x.unflatten(dim, (split_factor, -1))
+    return local_chunk(blocks, dim + 1, world, rank).flatten(dim, dim + 1)
 
 
 @torch.library.impl(lib, "param", "CompositeExplicitAutograd")
@@ -283,7 +294,9 @@ def _param_setup(ctx, inputs, output):
 def _param_backward(ctx, grad):
     info = lookup(ctx.key)
     for axis, pl in reversed(info.model_parallel):
-        if pl.is_shard():  # eager computes replicated: every rank holds the full gradient
+        if isinstance(pl, StridedShard):  # eager computes replicated: every rank holds the full gradient
+            grad = local_strided_chunk(grad, pl.dim, pl.split_factor, axis.world, axis.rank)
+        elif pl.is_shard():
             grad = local_chunk(grad, pl.dim, axis.world, axis.rank)
     return reduce_grads([grad], [info])[0], None, None
 

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Shard
 
-from graphshard.plan import FullyShard, ParamLayout
+from graphshard.plan import FullyShard, ParamLayout, StridedShard
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ class ParamInfo:
         """Shape after the data-parallel gather: logical, with model-parallel sharding applied."""
         shape = list(self.logical_shape)
         for axis, pl in self.model_parallel:
-            if isinstance(pl, Shard):
-                shape[pl.dim] = chunk_size(shape[pl.dim], axis.world, axis.rank)
+            if isinstance(pl, (Shard, StridedShard)):
+                shape[pl.dim] = local_size(shape[pl.dim], pl, axis.world, axis.rank)
         return tuple(shape)
 
     @property
@@ -105,6 +105,13 @@ class ParamInfo:
         FSDP2's root does (the backward needs the root's output head first)."""
         spec = self.layout.unit_spec
         return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
+
+
+def local_size(n: int, placement, world: int, rank: int) -> int:
+    """Size of ``rank``'s piece of a dim of size ``n`` sharded by ``placement`` (a ``Shard``, or a
+    ``StridedShard``: its piece of each of the ``split_factor`` blocks)."""
+    blocks = getattr(placement, "split_factor", 1)
+    return blocks * chunk_size(n // blocks, world, rank)
 
 
 def chunk_size(n: int, world: int, rank: int) -> int:

@@ -74,6 +74,22 @@ class ShardParams:
         object.__setattr__(self, "placements", dict(placements))
 
 
+@dataclass(frozen=True)
+class StridedShard:
+    """Dim ``dim`` is ``split_factor`` equal blocks laid end to end, each sharded over the axis:
+    a rank holds its piece of every block. It is the layout of a fused weight whose output
+    features are several projections side by side (GPT-2's ``c_attn`` = q | k | v,
+    ``StridedShard(1, split_factor=3)`` on its ``(in, 3 * out)`` weight; a mixture of experts'
+    ``gate_up_proj`` = gate | up, ``StridedShard(1, split_factor=2)``): splitting the fused
+    output into its projections then leaves each of them sharded, where a plain ``Shard``
+    would hand whole projections to some ranks and none to others. Propagation also derives
+    it for values (a sharded dim merged into the dims before it), and a view that splits the
+    blocks apart turns it back into ``Shard``. Stored as DTensor's strided shard."""
+
+    dim: int
+    split_factor: int
+
+
 UnitSpec = Union[FullyShard, Replicate]
 Spec = Union[FullyShard, Replicate, ShardParams, ParallelStyle]
 _SPEC_TYPES = (FullyShard, Replicate, ShardParams, ParallelStyle)
@@ -279,11 +295,18 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
                     raise ValueError(
                         f"ShardParams on {mfqn!r} names parameter {pname!r}, but that module has {sorted(local)}"
                     )
-                if not isinstance(placement, (_S, _R)):
-                    raise ValueError(f"{mfqn}.{pname}: placement {placement!r} must be Shard(dim) or Replicate()")
+                if not isinstance(placement, (_S, _R, StridedShard)):
+                    raise ValueError(f"{mfqn}.{pname}: placement {placement!r} must be Shard(dim), "
+                                     "StridedShard(dim, split_factor) or Replicate()")
                 p = local[pname]
-                if isinstance(placement, _S) and not -p.dim() <= placement.dim < p.dim():
-                    raise ValueError(f"{mfqn}.{pname}: Shard({placement.dim}) is out of range for shape {tuple(p.shape)}")
+                if isinstance(placement, (_S, StridedShard)) and not -p.dim() <= placement.dim < p.dim():
+                    raise ValueError(f"{mfqn}.{pname}: {placement!r} is out of range for shape {tuple(p.shape)}")
+                if isinstance(placement, StridedShard) and (
+                        placement.split_factor < 1 or p.shape[placement.dim] % placement.split_factor):
+                    raise ValueError(
+                        f"{mfqn}.{pname}: {placement!r} needs dim {placement.dim} (size {p.shape[placement.dim]}) "
+                        f"to be {placement.split_factor} equal blocks; give the number of fused projections"
+                    )
                 mp_place.setdefault(id(p), {})[plan.spec_axis(spec)] = placement
 
     layouts: dict[int, ParamLayout] = {}
@@ -302,6 +325,8 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
                 pl = mp_place.get(pid, {}).get(axis, _R())
                 if isinstance(pl, _S) and pl.dim < 0:
                     pl = _S(pl.dim + p.dim())
+                elif isinstance(pl, StridedShard) and pl.dim < 0:
+                    pl = StridedShard(pl.dim + p.dim(), pl.split_factor)
                 placements.append(pl)
             elif isinstance(spec, FullyShard) and axis == plan.shard_axis(spec):
                 placements.append(_S(0))

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from graphshard import _compat
 from graphshard.ops import local_chunk, ops
 from graphshard.params import AxisGroup, ParamInfo, register
-from graphshard.plan import FullyShard, Plan, resolve
+from graphshard.plan import FullyShard, Plan, StridedShard, resolve
 from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
@@ -166,7 +166,13 @@ def _distribute(p: torch.Tensor, info: ParamInfo, plan: Plan) -> DTensor:
     piece, as FSDP2 does over tensor parallelism: the data-parallel placement is a
     strided shard of dim 0.
     """
-    placements = list(info.layout.placements)
+    placements = [_compat.strided_shard(pl.dim, pl.split_factor) if isinstance(pl, StridedShard) else pl
+                  for pl in info.layout.placements]
+    if info.shard is not None and any(isinstance(pl, StridedShard) and pl.dim == 0 for _, pl in info.model_parallel):
+        raise NotImplementedError(
+            f"parameter {info.fqn!r}: StridedShard on dim 0 together with FullyShard (which shards dim 0 too) is "
+            "not supported; lay the fused dim out on another dim or leave the parameter out of FullyShard"
+        )
     both_dim0 = info.shard is not None and any(pl == Shard(0) for _, pl in info.model_parallel)
     if not both_dim0:
         return distribute_tensor(p, plan.mesh, placements)

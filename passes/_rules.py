@@ -16,7 +16,6 @@ slice/select/index, complex views) lives in ``_view_rules.py``.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -24,22 +23,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from graphshard.passes._graph import R, aten, tensor_args, val
+from graphshard.plan import StridedShard  # noqa: F401  (re-exported for the passes)
 
 P = Partial()
 
 
-@dataclass(frozen=True)
-class StridedShard:
-    """Dim ``dim`` is a merge of (``split_factor`` outer blocks) x (a sharded inner dim).
-
-    It arises when a view merges a sharded dim into the dims before it, as the
-    ``view(b * n_heads, s, head_dim)`` that ``matmul`` decomposes into for batched
-    attention; the matching view back splits it into ``Shard`` again. Internal to
-    the passes: it is never redistributed, only propagated.
-    """
-
-    dim: int
-    split_factor: int
 Rule = Callable[..., "tuple[list[Placement], Placement | list[Placement]]"]
 RULES: dict = {}
 
@@ -221,6 +209,22 @@ def _choose(ins: list[Placement], strategies):
     return min(strategies, key=lambda s: sum(_cost(c, w) for c, w in zip(ins, s[0])))
 
 
+def _choose_matmul(ins: list[Placement], strategies):
+    """``_choose`` for the matmul family, where each strategy shards one index space (the rows,
+    the columns, the batch or the contraction) on every operand it names: the same strategy
+    with every ``Shard`` a ``StridedShard`` of an input's ``split_factor`` is exact too (a
+    fused weight's projections stay sharded through the product)."""
+    # (A symbolic split factor, a dynamic batch merged in front of the heads, gets no variants.)
+    factors = dict.fromkeys(p.split_factor for p in ins if isinstance(p, StridedShard) and type(p.split_factor) is int)
+    variants = []
+    for k in factors:
+        for req, out in strategies:
+            if any(isinstance(r, Shard) for r in req):
+                variants.append((tuple(StridedShard(r.dim, k) if isinstance(r, Shard) else r for r in req),
+                                 StridedShard(out.dim, k) if isinstance(out, Shard) else out))
+    return _choose(ins, [*strategies, *variants])
+
+
 def _strided_batch(ins, strategies, n: int):
     """Heads sharded inside the batch dim of a batched matmul: independent batches."""
     for p in ins:
@@ -231,7 +235,7 @@ def _strided_batch(ins, strategies, n: int):
 
 @rule(aten.mm.default)
 def mm(node, ins):
-    return _choose(ins, [((R, R), R), ((Shard(0), R), Shard(0)), ((R, Shard(1)), Shard(1)),
+    return _choose_matmul(ins, [((R, R), R), ((Shard(0), R), Shard(0)), ((R, Shard(1)), Shard(1)),
                          ((Shard(1), Shard(0)), P)])
 
 
@@ -240,13 +244,13 @@ def addmm(node, ins):
     bias_nd = _ndim(node.args[0])
     col_bias = Shard(bias_nd - 1) if bias_nd >= 1 and _shape(node.args[0])[-1] > 1 else R
     row_bias = Shard(0) if bias_nd == 2 and _shape(node.args[0])[0] > 1 else R
-    return _choose(ins, [((R, R, R), R), ((row_bias, Shard(0), R), Shard(0)),
+    return _choose_matmul(ins, [((R, R, R), R), ((row_bias, Shard(0), R), Shard(0)),
                          ((col_bias, R, Shard(1)), Shard(1)), ((P, Shard(1), Shard(0)), P)])
 
 
 @rule(aten.bmm.default)
 def bmm(node, ins):
-    return _choose(ins, _strided_batch(ins, [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
+    return _choose_matmul(ins, _strided_batch(ins, [((R, R), R), ((Shard(0), Shard(0)), Shard(0)), ((Shard(1), R), Shard(1)),
                                              ((R, Shard(2)), Shard(2)), ((Shard(2), Shard(1)), P)], 2))
 
 
@@ -265,7 +269,7 @@ def baddbmm(node, ins):
             req = R if _broadcast_req(node.args[0], 0, out) == R else p
             if req == R or ins[0] == p:
                 strategies.insert(0, ((req, p, p), p))
-    return _choose(ins, strategies)
+    return _choose_matmul(ins, strategies)
 
 
 @rule(aten.linear.default)
@@ -282,7 +286,23 @@ def linear(node, ins):
                   ((Shard(nd - 1), Shard(1)) + bias(P), P)]
     if isinstance(ins[0], Shard) and ins[0].dim < nd - 1:
         strategies.append(((ins[0], R) + bias(R), ins[0]))
-    return _choose(ins, strategies)
+    return _choose_matmul(ins, strategies)
+
+
+def grouped_mm(node, ins):
+    """A grouped matmul ``input [S, D] @ weight[e] [D, O]`` for the rows ``offs`` assigns to each
+    expert e (``aten._grouped_mm``; transformers' CPU ``grouped_mm_fallback``): the experts'
+    weights sharded on their output dim give the output sharded on its columns, sharded on
+    the contraction dim (with the input's columns) a Partial sum; the offsets and the input's
+    rows stay whole (which rows go to which expert is global)."""
+    if len(ins) != 3 or _ndim(node.args[0]) != 2 or _ndim(node.args[1]) != 3:
+        return [R] * len(ins), R
+    return _choose_matmul(ins, [((R, R, R), R), ((R, Shard(2), R), Shard(1)), ((Shard(1), Shard(1), R), P)])
+
+
+RULES[aten._grouped_mm.default] = grouped_mm
+# Third-party ops by qualified name (their namespace may not be loaded when graphshard is).
+RULES_BY_NAME = {"transformers::grouped_mm_fallback": grouped_mm}
 
 
 # ---------------------------------------------------------------- reductions
@@ -490,6 +510,8 @@ def lookup(target) -> Rule | None:
     r = RULES.get(target)
     if r is not None:
         return r
+    if isinstance(target, torch._ops.OpOverload) and target._schema.name in RULES_BY_NAME:
+        return RULES_BY_NAME[target._schema.name]
     if isinstance(target, torch._ops.OpOverload) and (
         torch.Tag.pointwise in target.tags or target in _UNARY_SAME
     ):

@@ -159,13 +159,30 @@ def _dim(node, name="dim", default=0, nd=None):
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
       aten.unsafe_split_with_sizes.default)
 def split(node, ins):
-    """(``chunk`` decomposes to ``split``.) Every piece keeps a shard on another dim; splitting
-    the sharded dim replicates first (the pieces' boundaries differ from the shards')."""
+    """(``chunk`` decomposes to ``split``.) Every piece keeps a shard on another dim. Splitting a
+    ``StridedShard`` dim along its block boundaries (a fused projection into q, k and v) leaves
+    each piece sharded: a ``Shard`` of one block, a ``StridedShard`` of several. Any other split
+    of the sharded dim replicates first (the pieces' boundaries differ from the shards')."""
     p = ins[0]
     n = len(val(node))
     if _is_shard(p) and p.dim == _dim(node):
-        return [R], [R] * n
+        blocks = pieces_in_blocks(node, p)
+        if blocks is None:
+            return [R], [R] * n
+        return ins, [Shard(p.dim) if b == 1 else StridedShard(p.dim, b) for b in blocks]
     return ins, [p] * n
+
+
+def pieces_in_blocks(node, p) -> list[int] | None:
+    """The number of ``p``'s blocks in each piece of split ``node``, or None when ``p`` is not a
+    ``StridedShard`` or a piece boundary falls inside a block."""
+    if not isinstance(p, StridedShard):
+        return None
+    sizes = [int(v.shape[p.dim]) for v in val(node)]
+    block = _shape(node.args[0])[p.dim] // p.split_factor
+    if any(s % block for s in sizes):
+        return None
+    return [s // block for s in sizes]
 
 
 @rule(aten.unbind.int)

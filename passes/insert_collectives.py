@@ -171,21 +171,23 @@ def _redistribute(g, arg: fx.Node, want: dict, consumer: fx.Node, ctx: PassConte
         if src == target:
             continue
         axis = ctx.model_parallel[axis_name]
-        steps = _steps(src, target)
-        for op, op_args, kind in steps:
+        for op, op_args, kind, after in _steps(src, target, tuple(x.meta["val"].shape)):
             before = src
             with g.inserting_after(x if x.op != "placeholder" else _last_placeholder(g)):
-                full_args = _op_args(op, x, op_args, axis)
-                new = g.call_function(op, full_args)
-            new.meta["val"] = x.meta["val"]  # logical shapes are unchanged; localize_shapes makes them local
-            cur[axis_name] = _after(src, op, op_args)
-            src = cur[axis_name]
+                new = g.call_function(op, _op_args(op, x, op_args, axis))
+            if op == aten.reshape.default:  # a dim split into blocks, or the blocks merged back
+                with ctx.fake_mode:
+                    new.meta["val"] = x.meta["val"].reshape(op_args[0])
+            else:
+                new.meta["val"] = x.meta["val"]  # logical shapes are unchanged; localize_shapes makes them local
+            cur[axis_name] = src = after
             new.meta["placement"] = dict(cur)
             new.meta["cause"] = consumer.name
-            v = x.meta["val"]
-            ctx.report.collectives.append(
-                CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), _cause(consumer), "pre_autograd")
-            )
+            if kind is not None:
+                v = x.meta["val"]
+                ctx.report.collectives.append(
+                    CollectiveRecord(kind, axis_name, v.numel() * v.element_size(), _cause(consumer), "pre_autograd")
+                )
             if op == ops.all_gather.default and not _declared(consumer):
                 _report_gather(ctx, arg, consumer, axis_name, fmt_placement(before))
             x = new
@@ -218,43 +220,46 @@ def _cause(consumer: fx.Node) -> str:
     return f"node {consumer.name} ({consumer.target})"
 
 
-def _steps(src, dst):
-    """The op sequence that turns placement ``src`` into ``dst`` on one axis."""
+def _steps(src, dst, shape: tuple[int, ...]):
+    """The op sequence that turns placement ``src`` into ``dst`` on one axis, for a value of
+    logical ``shape``: ``(op, op args, kind for explain or None, placement after)`` per step."""
+    if isinstance(src, StridedShard):
+        # Each block's pieces are gathered with the blocks as a dim of their own.
+        d, k = src.dim, src.split_factor
+        blocks = (*shape[:d], k, shape[d] // k, *shape[d + 1:])
+        return [(aten.reshape.default, (list(blocks),), None, Shard(d + 1)),
+                (ops.all_gather.default, (d + 1,), "all_gather", R),
+                (aten.reshape.default, (list(shape),), None, R)] + (_steps(R, dst, shape) if dst != R else [])
+    if isinstance(dst, StridedShard):
+        # Replicate -> each rank's piece of every block (a local slice), through the same view.
+        d, k = dst.dim, dst.split_factor
+        blocks = (*shape[:d], k, shape[d] // k, *shape[d + 1:])
+        to_r = _steps(src, R, shape) if src != R else []
+        return to_r + [(aten.reshape.default, (list(blocks),), None, R),
+                       (ops.shard.default, (d + 1,), "shard (local)", Shard(d + 1)),
+                       (aten.reshape.default, (list(shape),), None, dst)]
     if isinstance(src, Partial) and src.reduce_op == "max" and isinstance(dst, Replicate):
-        return [(ops.all_reduce_max.default, (), "all_reduce(max)")]
+        return [(ops.all_reduce_max.default, (), "all_reduce(max)", R)]
     if isinstance(src, Partial) and src.reduce_op != "sum":
         raise NotImplementedError(f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}")
     if isinstance(src, Shard) and isinstance(dst, Replicate):
-        return [(ops.all_gather.default, (src.dim,), "all_gather")]
+        return [(ops.all_gather.default, (src.dim,), "all_gather", R)]
     if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return [(ops.all_reduce.default, (), "all_reduce")]
+        return [(ops.all_reduce.default, (), "all_reduce", R)]
     if isinstance(src, Partial) and isinstance(dst, Shard):
-        return [(ops.reduce_scatter.default, (dst.dim,), "reduce_scatter")]
+        return [(ops.reduce_scatter.default, (dst.dim,), "reduce_scatter", dst)]
     if isinstance(src, Replicate) and isinstance(dst, Shard):
-        return [(ops.shard.default, (dst.dim,), "shard (local)")]
+        return [(ops.shard.default, (dst.dim,), "shard (local)", dst)]
     if isinstance(src, Replicate) and isinstance(dst, Partial):
-        return [(ops.to_partial.default, (), "to_partial (local)")]
+        return [(ops.to_partial.default, (), "to_partial (local)", dst)]
     if isinstance(src, Shard) and isinstance(dst, (Shard, Partial)):
-        return _steps(src, R) + _steps(R, dst)
-    if isinstance(src, StridedShard) or isinstance(dst, StridedShard):
-        raise NotImplementedError(
-            f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}: a strided shard "
-            "(a sharded dim merged into the dims before it) is only propagated until a view splits it back"
-        )
+        return _steps(src, R, shape) + _steps(R, dst, shape)
     raise NotImplementedError(f"graphshard cannot redistribute {fmt_placement(src)} -> {fmt_placement(dst)}")
 
 
-def _after(src, op, op_args):
-    if op in (ops.all_gather.default, ops.all_reduce.default, ops.all_reduce_max.default):
-        return R
-    if op in (ops.reduce_scatter.default, ops.shard.default):
-        return Shard(op_args[0])
-    if op == ops.to_partial.default:
-        return Partial()
-    return src
-
-
 def _op_args(op, x: fx.Node, op_args, axis):
+    if op == aten.reshape.default:
+        return (x, *op_args)
     if op == ops.all_gather.default:
         (dim,) = op_args
         return (x, dim, x.meta["val"].shape[dim], axis.group_name, axis.world, axis.rank)

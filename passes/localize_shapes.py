@@ -47,11 +47,34 @@ def localize_shapes(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             args = list(node.args)
             args[i] = sizes
             node.args = tuple(args)
+        if node.target in _SPLITS:
+            _localize_split(node, ctx)
         if isinstance(node.meta.get("val"), torch.Tensor):
             node.meta["logical_shape"] = tuple(node.meta["val"].shape)
         _rederive(node, ctx)
         _check_local(node, ctx)
     return gm
+
+
+_SPLITS = {aten.split.Tensor, aten.unsafe_split.Tensor, aten.split_with_sizes.default,
+           aten.unsafe_split_with_sizes.default}
+
+
+def _localize_split(node: fx.Node, ctx: PassContext) -> None:
+    """A split of a ``StridedShard`` dim along its blocks (the ``split`` rule allows no other):
+    each piece's size becomes its blocks times this rank's piece of a block."""
+    src = node.args[0]
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % src.meta["val"].dim()
+    for axis_name, p in (src.meta.get("placement") or {}).items():
+        if not (isinstance(p, StridedShard) and p.dim == dim):
+            continue
+        axis = ctx.model_parallel[axis_name]
+        block = src.meta["logical_shape"][dim] // p.split_factor
+        local_block = chunk_size(block, axis.world, axis.rank)
+        sizes = node.args[1]
+        local = ([s // block * local_block for s in sizes] if isinstance(sizes, (list, tuple))
+                 else sizes // block * local_block)
+        node.args = (src, local, *node.args[2:])
 
 
 def _local_size(g: fx.Graph, node: fx.Node, size, p, axis):

@@ -192,3 +192,27 @@ def fsdp_tp_qnorm():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     plan = graphshard.Plan(mesh, {"q_proj": ColwiseParallel(), "o_proj": RowwiseParallel(), "": graphshard.FullyShard()})
     return seeded(QNormAttention), plan
+
+
+class FusedQKVAttention(nn.Module):
+    """GPT-2's attention shape: one projection computes q | k | v side by side, then splits."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.dim, self.heads, self.hd = dim, heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, self.heads, self.hd).transpose(1, 2) for t in self.qkv(x).split(self.dim, dim=2))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, self.dim))
+
+
+def fused_qkv_attention():
+    """FusedQKVAttention with the fused projection column-parallel over its three blocks."""
+    from graphshard.tensor_parallel import RowwiseParallel
+
+    fused = graphshard.ShardParams("tp", weight=graphshard.StridedShard(0, 3), bias=graphshard.StridedShard(0, 3))
+    return seeded(FusedQKVAttention), graphshard.Plan(mesh1d("tp"), {"qkv": fused, "o": RowwiseParallel()})

@@ -605,6 +605,9 @@ amax = amax.default(x_1: S(1)->R) -> R
         self.assertExpectedInline(cases([
             ("split last dim, shard on heads", aten.split.Tensor, [Shard(1)], x, 2, -1),
             ("split the sharded dim", aten.split.Tensor, [Shard(1)], x, 2, 1),
+            ("split a fused q|k|v into its blocks", aten.split.Tensor, [StridedShard(2, 3)], T(2, 8, 12), 4, 2),
+            ("split fused blocks 1 | 2", aten.split_with_sizes.default, [StridedShard(2, 3)], T(2, 8, 12), [4, 8], 2),
+            ("split inside a fused block", aten.split.Tensor, [StridedShard(2, 3)], T(2, 8, 12), 6, 2),
             ("split_with_sizes, partial", aten.split_with_sizes.default, [P], x, [1, 3], -1),
             ("unbind before the shard", aten.unbind.int, [Shard(1)], x, 0),
             ("unbind the sharded dim", aten.unbind.int, [Shard(1)], x, 1),
@@ -649,6 +652,9 @@ amax = amax.default(x_1: S(1)->R) -> R
         ]), """\
 split last dim, shard on heads: (S(1)) -> (S(1), S(1))
 split the sharded dim: (R) -> (R, R, R, R)
+split a fused q|k|v into its blocks: (S(2/3)) -> (S(2), S(2), S(2))
+split fused blocks 1 | 2: (S(2/3)) -> (S(2), S(2/2))
+split inside a fused block: (R) -> (R, R)
 split_with_sizes, partial: (P) -> (P, P)
 unbind before the shard: (S(1)) -> (S(0), S(0))
 unbind the sharded dim: (R) -> (R, R, R, R, R, R, R, R)
@@ -860,11 +866,19 @@ cudnn (GPU), batch: (S(0), S(0), S(0)) -> (S(0), S(0), R, R, R, R, R, R, R)
 
     def test_matmul_rules(self):
         a, b, inp = T(4, 8, 16), T(4, 16, 8), T(8)
+        bf, offs = (lambda *shape: T(*shape, dtype=torch.bfloat16)), T(3, dtype=torch.int32)
         self.assertExpectedInline(cases([
             ("baddbmm, batch sharded", aten.baddbmm.default, [R, Shard(0), Shard(0)], T(4, 8, 8), a, b),
             ("baddbmm, rows sharded, input broadcast", aten.baddbmm.default, [R, Shard(1), R], inp, a, b),
             ("baddbmm, cols sharded, input broadcast", aten.baddbmm.default, [R, R, Shard(2)], inp, a, b),
             ("baddbmm, contraction sharded", aten.baddbmm.default, [R, Shard(2), Shard(1)], inp, a, b),
+            ("mm, fused weight's columns", aten.mm.default, [R, StridedShard(1, 3)], T(4, 16), T(16, 12)),
+            ("addmm, fused weight and bias", aten.addmm.default, [StridedShard(0, 3), R, StridedShard(1, 3)], T(12),
+             T(4, 16), T(16, 12)),
+            ("grouped_mm, experts' output dim", aten._grouped_mm.default, [R, StridedShard(2, 2), R], bf(6, 16),
+             bf(3, 16, 8), offs),
+            ("grouped_mm, contraction", aten._grouped_mm.default, [Shard(1), Shard(1), R], bf(6, 16), bf(3, 16, 8),
+             offs),
             ("baddbmm, strided batch, input broadcast", aten.baddbmm.default,
              [R, StridedShard(0, 2), StridedShard(0, 2)], T(8, 8), a, b),
             ("baddbmm, strided batch, input strided", aten.baddbmm.default,
@@ -879,9 +893,13 @@ baddbmm, batch sharded: (S(0), S(0), S(0)) -> S(0)
 baddbmm, rows sharded, input broadcast: (R, S(1), R) -> S(1)
 baddbmm, cols sharded, input broadcast: (S(0), R, S(2)) -> S(2)
 baddbmm, contraction sharded: (P, S(2), S(1)) -> P
+mm, fused weight's columns: (R, S(1/3)) -> S(1/3)
+addmm, fused weight and bias: (S(0/3), R, S(1/3)) -> S(1/3)
+grouped_mm, experts' output dim: (R, S(2/2), R) -> S(1/2)
+grouped_mm, contraction: (S(1), S(1), R) -> P
 baddbmm, strided batch, input broadcast: (R, S(0/2), S(0/2)) -> S(0/2)
 baddbmm, strided batch, input strided: (S(0/2), S(0/2), S(0/2)) -> S(0/2)
-baddbmm, strided batch, input replicated: (R, R, R) -> R
+baddbmm, strided batch, input replicated: (S(0/2), S(0/2), S(0/2)) -> S(0/2)
 linear, column-parallel: (R, S(0), S(0)) -> S(2)
 linear, row-parallel: (S(2), S(1)) -> P
 linear, batch-sharded input: (S(0), R) -> S(0)

@@ -2,7 +2,7 @@ import torch
 from expecttest import TestCase
 
 from _golden import graph_after
-from _models import attention, tp_attention_plan
+from _models import attention, fused_qkv_attention, tp_attention_plan
 
 
 class TestLocalizeShapes(TestCase):
@@ -85,3 +85,34 @@ def test_dynamic_batch_with_hard_coded_heads():
     reports = model._graphshard.explain
     assert len(reports) >= 2 and all(not r.fallbacks for r in reports)
     assert all(sum(c.kind == "all_reduce" for c in r.collectives if c.stage == "pre_autograd") == 1 for r in reports)
+
+
+class TestStridedShard(TestCase):
+    def test_fused_projection_splits_into_local_heads(self):
+        # q | k | v side by side, each sharded over 4 ranks: the split takes this rank's 4
+        # features of each block (one head), with no gather anywhere.
+        model, plan = fused_qkv_attention()
+        text = graph_after(model, plan, (torch.randn(2, 8, 16),), "localize_shapes")
+        self.assertNotIn("all_gather", text)
+        self.assertIn("torch.ops.aten.split.Tensor(view_1, 4, 2)", text)
+        self.assertEqual(model._graphshard.explain[-1].fallbacks, [])
+
+    def test_fused_output_is_gathered_block_by_block(self):
+        # The fused output itself returned: each block's pieces are gathered (blocks as a dim of their own).
+        model, plan = fused_qkv_attention()
+        model.forward = lambda x: model.qkv(x)
+        text = graph_after(model, plan, (torch.randn(2, 8, 16),), "localize_shapes")
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[12, 16]", arg1_1: "f32[12]", arg2_1: "f32[2, 8, 16]"):
+        alias_default: "f32[12, 16]" = torch.ops.aten.alias.default(arg0_1);  arg0_1 = None
+        alias_default_1: "f32[12]" = torch.ops.aten.alias.default(arg1_1);  arg1_1 = None
+        view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg2_1, [16, 16]);  arg2_1 = None
+        t: "f32[16, 12]" = torch.ops.aten.t.default(alias_default);  alias_default = None
+        addmm: "f32[16, 12]" = torch.ops.aten.addmm.default(alias_default_1, view, t);  alias_default_1 = view = t = None
+        view_1: "f32[2, 8, 12]" = torch.ops.aten.reshape.default(addmm, [2, 8, 12]);  addmm = None
+        reshape_default: "f32[2, 8, 3, 4]" = torch.ops.aten.reshape.default(view_1, [2, 8, 3, 4]);  view_1 = None
+        all_gather_default: "f32[2, 8, 3, 16]" = torch.ops.graphshard.all_gather.default(reshape_default, 3, 16, 'tp', 4, 0);  reshape_default = None
+        reshape_default_1: "f32[2, 8, 48]" = torch.ops.aten.reshape.default(all_gather_default, [2, 8, 48]);  all_gather_default = None
+        return (reshape_default_1,)
+""")

@@ -88,3 +88,19 @@ def test_sharding_twice_is_an_error():
     graphshard.shard(model, plan)
     with pytest.raises(ValueError, match="already sharded by graphshard"):
         graphshard.shard(model, plan)
+
+
+def test_strided_shard_needs_equal_blocks():
+    # fc1.weight is (32, 16): 32 rows are not 3 equal blocks.
+    plan = graphshard.Plan(mesh1d("tp"), {"fc1": graphshard.ShardParams("tp", weight=graphshard.StridedShard(0, 3))})
+    with pytest.raises(ValueError, match=r"fc1\.weight: StridedShard\(dim=0, split_factor=3\) needs dim 0 \(size 32\) "
+                                         r"to be 3 equal blocks"):
+        graphshard.shard(mlp(), plan)
+
+
+def test_strided_shard_is_stored_as_dtensors_strided_shard():
+    plan = graphshard.Plan(mesh1d("tp"), {"fc1": graphshard.ShardParams("tp", weight=graphshard.StridedShard(0, 2))})
+    model = graphshard.shard(mlp(), plan)
+    w = model.fc1.weight
+    assert w.shape == (32, 16) and w.to_local().shape == (8, 16)
+    assert type(w.placements[0]).__name__ == "_StridedShard" and w.placements[0].split_factor == 2

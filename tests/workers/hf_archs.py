@@ -16,7 +16,8 @@ import torch
 VOCAB, SEQ = 128, 8
 # Small enough to compile fast, large enough that every dim a plan shards divides by 2.
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)  # special ids inside the tiny vocabulary
 # Dropout off: a multi-rank run is compared with one process; the RNG rule has its own test.
 NO_DROPOUT = ("attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop",
               "hidden_dropout_prob", "attention_probs_dropout_prob", "dropout_rate", "dropout",
@@ -27,6 +28,8 @@ ATTN_TP = {"**.self_attn.q_proj": "col", "**.self_attn.k_proj": "col", "**.self_
            "**.self_attn.o_proj": "row"}
 MLP_TP = {"**.mlp.gate_proj": "col", "**.mlp.up_proj": "col", "**.mlp.down_proj": "row"}
 LLAMA_TP = {**ATTN_TP, **MLP_TP}
+# A mixture of experts' experts (3-D weights, gate | up fused): the intermediate dim over the ranks.
+EXPERTS_TP = {"**.mlp.experts": "experts"}
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,14 @@ ARCHS: dict[str, Arch] = {
     "stablelm": Arch("stablelm", overrides=dict(num_key_value_heads=4), tp=LLAMA_TP, fsdp_tp=True),
     "smollm3": Arch("smollm3", tp=LLAMA_TP, fsdp_tp=True),
     "phi3": Arch("phi3", tp={"**.self_attn.o_proj": "row", "**.mlp.down_proj": "row"}),
-    "mixtral": Arch("mixtral", overrides=dict(num_local_experts=4, num_experts_per_tok=2), tp=ATTN_TP,
-                    fsdp_tp=True),
+    "mixtral": Arch("mixtral", overrides=dict(num_local_experts=4, num_experts_per_tok=2),
+                    tp={**ATTN_TP, **EXPERTS_TP}, fsdp_tp=True),
     "qwen2_moe": Arch("qwen2_moe", overrides=dict(num_experts=4, num_experts_per_tok=2,
                                                   moe_intermediate_size=32, shared_expert_intermediate_size=32),
-                      tp=ATTN_TP),
+                      tp={**ATTN_TP, **EXPERTS_TP, **{k.replace("mlp.", "mlp.shared_expert."): v
+                                                      for k, v in MLP_TP.items()}}),
     "gpt2": Arch("gpt2", overrides=dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=64),
-                 tp={"transformer.h.*.attn.c_attn": "conv1d_col", "transformer.h.*.attn.c_proj": "conv1d_row",
+                 tp={"transformer.h.*.attn.c_attn": "conv1d_qkv", "transformer.h.*.attn.c_proj": "conv1d_row",
                      "transformer.h.*.mlp.c_fc": "conv1d_col", "transformer.h.*.mlp.c_proj": "conv1d_row"}),
     "gpt_neox": Arch("gpt_neox", overrides=dict(rotary_pct=0.5)),
     "phi": Arch("phi"),
@@ -134,6 +138,8 @@ def tp_styles(name: str, styles) -> dict:
             out[glob] = styles.ColwiseParallel()
         elif kind == "row":
             out[glob] = styles.RowwiseParallel()
+        elif kind == "experts":
+            out[glob] = experts_style()
         else:  # GPT-2's Conv1D keeps its weight as (in, out): column-parallel shards dim 1
             out[glob] = conv1d_style(kind)
     return out
@@ -141,14 +147,27 @@ def tp_styles(name: str, styles) -> dict:
 
 def conv1d_style(kind: str):
     """GPT-2's ``Conv1D`` (``x @ weight + bias``, weight stored (in, out)) as ``ShardParams``:
-    column-parallel shards the weight's dim 1 and the bias, row-parallel the weight's dim 0."""
+    column-parallel shards the weight's dim 1 and the bias, row-parallel the weight's dim 0.
+    The fused ``c_attn`` (q | k | v side by side) is column-parallel over its three blocks."""
     from torch.distributed.tensor import Shard
 
     import graphshard
 
+    if kind == "conv1d_qkv":
+        return graphshard.ShardParams("tp", weight=graphshard.StridedShard(1, 3), bias=graphshard.StridedShard(0, 3))
     if kind == "conv1d_col":
         return graphshard.ShardParams("tp", weight=Shard(1), bias=Shard(0))
     return graphshard.ShardParams("tp", weight=Shard(0))
+
+
+def experts_style():
+    """HF's fused experts (``gate_up_proj`` (E, 2 * I, D) = gate | up, ``down_proj`` (E, D, I)):
+    column-parallel over the two blocks of ``gate_up_proj``, row-parallel ``down_proj``."""
+    from torch.distributed.tensor import Shard
+
+    import graphshard
+
+    return graphshard.ShardParams("tp", gate_up_proj=graphshard.StridedShard(1, 2), down_proj=Shard(2))
 
 
 def loss_of(out) -> torch.Tensor:
