@@ -17,12 +17,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -> list[dict]:
+def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """Runs the worker; returns the results rank 0 printed (however the job ended) and the process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={_free_port()}", os.path.join(HERE, "workers", worker), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    return results, proc
+
+
+def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -> list[dict]:
+    results, proc = launch(worker, args, nproc, timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return results

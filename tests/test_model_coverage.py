@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import torchrun
+from _launch import launch
 from workers.hf_archs import ARCHS
 
 pytest.importorskip("transformers", reason="the coverage suite needs transformers (the test extra)")
@@ -52,12 +52,26 @@ def coverage_results(request):
     cases = selected(request.config)
     two = [c for c in cases if not c.split(":")[1] == "fsdp_tp"]
     four = [c for c in cases if c.split(":")[1] == "fsdp_tp"]
-    results = {}
-    if two:
-        results.update({r["case"]: r for r in torchrun("coverage.py", two, nproc=2, timeout=3600)})
-    if four:
-        results.update({r["case"]: r for r in torchrun("coverage.py", four, nproc=4, timeout=3600)})
+    results = {**run_all(two, 2), **run_all(four, 4)}
     record_coverage(results)
+    return results
+
+
+def run_all(cases: list[str], nproc: int) -> dict[str, dict]:
+    """Every case's result. A case that takes its job down (a crash, a collective another rank
+    never joined) is recorded as such and the job is launched again for the cases after it."""
+    results: dict[str, dict] = {}
+    while cases:
+        done, proc = launch("coverage.py", cases, nproc=nproc, timeout=3600)
+        results.update((r["case"], r) for r in done)
+        cases = [c for c in cases if c not in results]
+        if cases and proc.returncode == 0:
+            raise AssertionError(f"the coverage job ended without results for {cases}")
+        if cases:
+            why = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l][-1:] or [proc.stderr[-300:]]
+            results[cases[0]] = {"case": cases[0], "ok": False, "error": "JobFailed", "message": why[0][:300],
+                                 "traceback": proc.stderr[-6000:]}
+            cases = cases[1:]
     return results
 
 

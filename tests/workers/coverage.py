@@ -19,6 +19,7 @@ JSON line per case: ``ok`` with the diffs, or the error's class and first line.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 import sys
 import time
@@ -147,4 +148,4 @@ def run(case: str) -> dict:
 
 
 if __name__ == "__main__":
-    run_cases(sys.argv[1:], run)
+    run_cases(sys.argv[1:], run, timeout=datetime.timedelta(minutes=10))
