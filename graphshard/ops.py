@@ -183,7 +183,8 @@ def _unpack_reduced_fake(buf, rows, numels, keep):
 
 def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
     """Casts to param_dtype and all-gathers a unit's shards in ONE collective: a packed bucket,
-    or on gloo a coalesced all-gather with an output per parameter (`AxisGroup.gather_coalesced`)."""
+    or on gloo a coalesced all-gather with an output per parameter (`AxisGroup.gather_coalesced`;
+    a plan with ``collectives="nccl"`` keeps the bucket on gloo too)."""
     first = infos[0]
     if first.shard is None:
         return [x.to(info.param_dtype) for x, info in zip(shards, infos)]
@@ -222,7 +223,9 @@ def _reduce_scatter_flat(buf: torch.Tensor, axis: AxisGroup) -> tuple[torch.Tens
     """Starts the reduce-scatter of a rank-major bucket over ``axis``. Returns the result and
     how many rows of it ``unpack_reduced`` still averages: 1 after a reduce-scatter ("avg"),
     ``world`` after an all-to-all (on gloo, ``AxisGroup.scatter_by_all_to_all``), where each
-    rank receives every rank's copy of its own shard."""
+    rank receives every rank's copy of its own shard. Under ``collectives="nccl"`` gloo runs the
+    ``reduce_scatter_tensor`` call itself: c10d's gloo backend implements it (an all-reduce
+    of the whole bucket with the same op, then this rank's chunk), ``avg`` included."""
     if axis.scatter_by_all_to_all:
         split = [buf.numel() // axis.world] * axis.world
         return _wait(c10d.all_to_all_single(buf, split, split, axis.group_name)), axis.world

@@ -28,6 +28,13 @@ class AxisGroup:
     rank: int
     backend: str = ""
     """The c10d backend that runs this axis's collectives on the mesh's device ("gloo", "nccl", ...)."""
+    collectives: str = "auto"
+    """The plan's choice of collective forms (`Plan`'s ``collectives``): ``"auto"`` picks them by
+    ``backend``; ``"nccl"`` uses NCCL's forms whatever the backend."""
+
+    @property
+    def _gloo_forms(self) -> bool:
+        return self.backend == "gloo" and self.collectives == "auto"
 
     @property
     def scatter_by_all_to_all(self) -> bool:
@@ -36,7 +43,7 @@ class AxisGroup:
         gloo has no reduce-scatter of its own: c10d runs it as an all-reduce of the whole
         buffer, which moves twice the bytes a reduce-scatter needs and costs twice the CPU.
         An all-to-all moves exactly a reduce-scatter's bytes (see docs/design.md)."""
-        return self.backend == "gloo"
+        return self._gloo_forms
 
     @property
     def gather_coalesced(self) -> bool:
@@ -48,7 +55,7 @@ class AxisGroup:
         gathered bytes twice after the transfer. The coalesced all-gather's worker copies
         them once, straight into each parameter's output, and reads the shards in place
         (see docs/design.md). NCCL gathers in place: one bucket is its fastest form."""
-        return self.backend == "gloo"
+        return self._gloo_forms
 
 
 @dataclass(frozen=True)

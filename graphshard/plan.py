@@ -95,6 +95,8 @@ Spec = Union[FullyShard, Replicate, ShardParams, ParallelStyle]
 _SPEC_TYPES = (FullyShard, Replicate, ShardParams, ParallelStyle)
 TP_AXIS = "tp"
 """The mesh axis the tensor-parallel styles apply to (on a 1-D mesh: its only axis)."""
+COLLECTIVE_FORMS = ("auto", "nccl")
+"""The values of `Plan`'s ``collectives``."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,11 +130,27 @@ def fqn_match(fqn: str, pattern: str) -> bool:
 
 
 class Plan:
-    """How a model is sharded over ``mesh``: ``Plan(mesh, {fqn_glob: spec})``."""
+    """How a model is sharded over ``mesh``: ``Plan(mesh, {fqn_glob: spec})``.
 
-    def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False):
+    ``collectives`` picks the form of each unit's data-parallel collectives:
+
+    - ``"auto"`` (default): by the backend of the axis's process group. NCCL (and any
+      backend but gloo): the unit's shards packed into one bucket, one
+      ``all_gather_into_tensor``, unpacked; gradients packed rank-major, one
+      ``reduce_scatter_tensor`` (``avg``). gloo: one coalesced all-gather with an output
+      per parameter, and the gradients' reduce-scatter as one all-to-all (gloo has no
+      reduce-scatter of its own; see docs/design.md).
+    - ``"nccl"``: NCCL's forms on every backend. On gloo this runs, op for op, the
+      collectives a GPU run issues, so CPU-only CI exercises that path; it costs gloo
+      an extra copy per gather and an all-reduce per reduce-scatter.
+    """
+
+    def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False,
+                 collectives: str = "auto"):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
+        if collectives not in COLLECTIVE_FORMS:
+            raise ValueError(f"Plan(collectives={collectives!r}): expected one of {COLLECTIVE_FORMS}")
         for key, spec in rules.items():
             if not isinstance(key, str):
                 raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
@@ -152,6 +170,7 @@ class Plan:
         self.axis_names = axes
         self.rules = dict(rules)
         self.strict = strict
+        self.collectives = collectives
         # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
         self.tp_axis = TP_AXIS if TP_AXIS in axes or len(axes) != 1 else axes[0]
         mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}
@@ -191,7 +210,8 @@ class Plan:
         return spec.shard_axis or self.data_parallel_axes[-1]
 
     def __repr__(self) -> str:
-        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r})"
+        forms = "" if self.collectives == "auto" else f", collectives={self.collectives!r}"
+        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r}{forms})"
 
 
 @dataclass(frozen=True)

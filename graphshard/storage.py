@@ -61,7 +61,7 @@ def state_for_key(key: str) -> ShardedState | None:
 def axis_group(plan: Plan, axis: str) -> AxisGroup:
     group = plan.group(axis)
     return AxisGroup(axis, group.group_name, dist.get_world_size(group), dist.get_rank(group),
-                     backend_on(str(dist.get_backend(group)), plan.mesh.device_type))
+                     backend_on(str(dist.get_backend(group)), plan.mesh.device_type), plan.collectives)
 
 
 def backend_on(name: str, device_type: str) -> str:

@@ -3,7 +3,8 @@
 Each launch runs several cases in one torchrun job (start-up and imports dominate
 on the CPU). A case trains 5 steps of SGD with momentum; the loss (averaged over
 ranks) and every gathered parameter must match the single-process run within
-1e-5 absolute (fp32).
+1e-5 absolute (fp32). Cases flagged ``nccl_forms`` build the plan with
+``collectives="nccl"``: gloo then runs the collectives a NCCL (GPU) run issues.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ TWO_RANK = [
     "mlp:full_shard:backend",
     "transformer:full_shard:eager:dynamic",
     "mlp:tp:eager:dynamic",
+    "transformer:full_shard:inductor:nccl_forms",
+    "transformer:shard_grad_op:eager:nccl_forms",
 ]
-FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager"]
+FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
+# Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
+# and gloo's (the default on gloo). c10d implements each functional collective by a ProcessGroup op.
+NCCL_FORMS = {"graphshard::pack", "_c10d_functional::all_gather_into_tensor", "graphshard::unpack",
+              "graphshard::pack_grads", "_c10d_functional::reduce_scatter_tensor", "graphshard::unpack_reduced"}
+GLOO_FORMS = {"_c10d_functional::all_gather_into_tensor_coalesced", "_c10d_functional::all_to_all_single"}
 # Tensor parallelism (tests/workers/tp_numerics.py): plan:frontend:lower, and torch's own TP beside ours.
 TP_TWO_RANK = ["tp:plan:eager", "sp:plan:eager", "loss_parallel:plan:eager", "loss_inside:plan:eager",
                "tp:parallelize:inductor", "torch_tp:tp"]
@@ -68,6 +76,25 @@ def test_no_graph_breaks_and_no_recompiles(two_rank_results, case):
     r = two_rank_results[case]
     assert r["graph_breaks"] == 0, r
     assert r["frames"] == 1, f"{case} compiled {r['frames']} graphs over 5 steps"
+
+
+@pytest.mark.parametrize("case", [c for c in TWO_RANK if c.endswith(":nccl_forms")])
+def test_nccl_forms_run_on_gloo(two_rank_results, case):
+    # The numerics above passed through NCCL's collectives: the step ran those and no gloo form.
+    ops = set(two_rank_results[case]["ops"])
+    assert NCCL_FORMS <= ops and not GLOO_FORMS & ops, sorted(ops)
+
+
+@pytest.mark.parametrize("case", [c for c in TWO_RANK if c.split(":")[1] in ("full_shard", "shard_grad_op")
+                                  and not c.endswith(":nccl_forms")])
+def test_gloo_forms_by_default(two_rank_results, case):
+    ops = set(two_rank_results[case]["ops"])
+    assert GLOO_FORMS <= ops and not {"_c10d_functional::reduce_scatter_tensor", "graphshard::unpack"} & ops, sorted(ops)
+
+
+def test_hybrid_nccl_forms_run_on_gloo(four_rank_results):
+    ops = set(four_rank_results["transformer:hybrid:eager:nccl_forms"]["ops"])
+    assert NCCL_FORMS | {"_c10d_functional::all_reduce"} <= ops and not GLOO_FORMS & ops, sorted(ops)
 
 
 def test_compile_barrier_waits_under_fake_mode(two_rank_results):

@@ -1,8 +1,9 @@
 """Multi-rank numerics worker: ``torchrun --nproc-per-node N tests/workers/numerics.py CASE [CASE ...]``.
 
-Each CASE is ``model:strategy:lower[:dynamic]`` (e.g. ``transformer:full_shard:inductor``);
-``dynamic`` varies the per-rank batch size from step to step (2, 1, 3, ...), which makes
-dynamo recompile with a symbolic batch dim.
+Each CASE is ``model:strategy:lower[:flag ...]`` (e.g. ``transformer:full_shard:inductor``);
+flag ``dynamic`` varies the per-rank batch size from step to step (2, 1, 3, ...), which makes
+dynamo recompile with a symbolic batch dim; ``nccl_forms`` builds the plan with
+``collectives="nccl"``, so gloo runs the collectives a NCCL run issues.
 ``lower`` is ``inductor`` or ``eager`` (graphshard.compile), ``backend`` (graphshard.shard,
 then ``torch.compile(model, backend="graphshard")`` by name) or ``uncompiled``
 (graphshard.shard only: the eager debugging path).
@@ -14,6 +15,7 @@ the whole global batch. Rank 0 prints one JSON line per case.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 
@@ -104,7 +106,7 @@ def run_case(case: str) -> dict:
     rules = {k: v for k, v in plan.rules.items() if model_name == "transformer" or k in ("", "fc1", "fc2")}
     if model_name == "shared":
         rules = {"first": rules[""], "": rules[""]}
-    plan = graphshard.Plan(plan.mesh, rules)
+    plan = graphshard.Plan(plan.mesh, rules, collectives="nccl" if "nccl_forms" in flags else "auto")
     if lower in ("inductor", "eager"):
         graphshard.compile(model, plan, lower=lower)
     else:
@@ -119,8 +121,9 @@ def run_case(case: str) -> dict:
         per_rank = (2, 1, 3)[step % 3] if dynamic else 2
         x, y = batch(model_name, step, per_rank * dp_world)
         sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-        loss = loss_fn(model_name, model(x[sl]), y[sl])
-        loss.backward()
+        with (_op_log() if step == STEPS - 1 else contextlib.nullcontext(set())) as log:
+            loss = loss_fn(model_name, model(x[sl]), y[sl])
+            loss.backward()
         opt.step()
         opt.zero_grad()
         ref_loss = loss_fn(model_name, ref(x), y)
@@ -143,10 +146,20 @@ def run_case(case: str) -> dict:
         "case": case, "loss_err": loss_err, "param_err": param_err, "params": names,
         "ref_names": list(ref_params), "state_dict": list(getattr(model, "_orig_mod", model).state_dict()),
         "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
-        "frames": int(counters["stats"]["unique_graphs"]),
+        "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log),
     }
 
 
+@contextlib.contextmanager
+def _op_log():
+    """Yields the set that gets, when the block ends, the names of the collectives and graphshard
+    ops it ran (``_c10d_functional``, the process group's ``c10d`` ops, ``graphshard``): which
+    collective forms actually ran. The profiler sees the compiled code's calls too (a
+    TorchDispatchMode would make dynamo run the model eagerly)."""
+    ops: set[str] = set()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield ops
+    ops.update(e.name for e in prof.events() if e.name.split("::")[0] in ("_c10d_functional", "c10d", "graphshard"))
 
 
 if __name__ == "__main__":
