@@ -39,6 +39,7 @@ class Arch:
     overrides: dict = field(default_factory=dict)
     tp: dict | None = None                  # FQN glob -> "col" | "row" (None: no TP plan for it)
     fsdp_tp: bool = False                   # also run FSDP + TP on a 2x2 mesh
+    attn: str = "sdpa"                      # HF's attention implementation ("eager" where HF has no SDPA)
 
 
 ARCHS: dict[str, Arch] = {
@@ -47,7 +48,7 @@ ARCHS: dict[str, Arch] = {
     "qwen2": Arch("qwen2", tp=LLAMA_TP, fsdp_tp=True),
     "qwen3": Arch("qwen3", tp=LLAMA_TP, fsdp_tp=True),
     "gemma": Arch("gemma", tp=LLAMA_TP, fsdp_tp=True),
-    "gemma2": Arch("gemma2", tp=LLAMA_TP, fsdp_tp=True),
+    "gemma2": Arch("gemma2", tp=LLAMA_TP, fsdp_tp=True, attn="eager"),  # HF's default for Gemma2 (softcapping)
     "gemma3": Arch("gemma3_text", overrides=dict(sliding_window=4), tp=LLAMA_TP, fsdp_tp=True),
     "olmo2": Arch("olmo2", tp=LLAMA_TP, fsdp_tp=True),
     "granite": Arch("granite", tp=LLAMA_TP, fsdp_tp=True),
@@ -66,7 +67,7 @@ ARCHS: dict[str, Arch] = {
     "gpt_neox": Arch("gpt_neox", overrides=dict(rotary_pct=0.5)),
     "phi": Arch("phi"),
     "opt": Arch("opt", overrides=dict(ffn_dim=64, word_embed_proj_dim=32)),
-    "bloom": Arch("bloom", overrides=dict(n_layer=2, n_head=4)),
+    "bloom": Arch("bloom", overrides=dict(n_layer=2, n_head=4), attn="eager"),  # HF has no SDPA for Bloom
     "falcon": Arch("falcon", overrides=dict(new_decoder_architecture=True, num_kv_heads=2)),
     "starcoder2": Arch("starcoder2"),
     "bert": Arch("bert", task="masked_lm"),
@@ -85,13 +86,17 @@ def config_for(name: str):
 
     arch = ARCHS[name]
     kwargs = {**TINY, **arch.overrides}
+    cls = type(AutoConfig.for_model(arch.model_type))
+    # Sizes a config derives (Falcon's head_dim is a read-only property) are left to it.
+    kwargs = {k: v for k, v in kwargs.items()
+              if not (isinstance(getattr(cls, k, None), property) and getattr(cls, k).fset is None)}
     cfg = AutoConfig.for_model(arch.model_type, **kwargs)
     for attr in NO_DROPOUT:
         if isinstance(getattr(cfg, attr, None), float):
             setattr(cfg, attr, 0.0)
     if hasattr(cfg, "layer_types") and cfg.layer_types is not None and len(cfg.layer_types) != cfg.num_hidden_layers:
         cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
-    cfg._attn_implementation = "sdpa" if name not in ("gemma2",) else "eager"
+    cfg._attn_implementation = arch.attn
     return cfg
 
 
