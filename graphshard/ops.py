@@ -454,8 +454,12 @@ for _name, _bw in [
 
 
 def decompositions() -> dict:
-    """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits."""
+    """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits;
+    ``random_bits`` -> its ATen ops (``graphshard/rng.py``)."""
+    from graphshard import rng
+
     return {
+        **rng.decompositions(),
         ops.unshard.default: _unshard_decomp,
         ops.all_reduce.default: _all_reduce_decomp,
         ops.all_gather.default: _all_gather_decomp,
