@@ -68,7 +68,7 @@ def localize_random(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 # ---------------------------------------------------------------- which ops
 def _is_random(node: fx.Node) -> bool:
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return False
     # Ops tagged random that draw nothing with these arguments (attention without dropout, eval dropout).
     if _arg(node, "dropout_p", None) == 0.0 or _arg(node, "dropout", None) == 0.0:
@@ -94,10 +94,6 @@ def _unsupported(node: fx.Node, handler) -> str | None:
         low, high = _randint_range(node)
         if not (isinstance(low, int) and isinstance(high, int) and 0 < high - low <= 2**31):
             return f"a range of {high} - {low} (at most 2**31 values are drawn by logical index)"
-    pl = node.meta.get("placement")
-    pl = pl[0] if isinstance(pl, list) else pl
-    if any(isinstance(p, Partial) for p in (pl or {}).values()):
-        return "a Partial output"
     return None
 
 
@@ -172,6 +168,8 @@ class _Emitter:
         self.g = anchor.graph
         pl, out = anchor.meta["placement"], anchor.meta["val"]
         self.placement = pl[0] if isinstance(pl, list) else pl
+        assert not any(isinstance(p, Partial) for p in self.placement.values()), (
+            f"{anchor.name}: a random op's rule gave a Partial output")
         self.out = out[0] if isinstance(out, (list, tuple)) else out
         # a multi-output op (native_dropout) has no logical_shape of its own: its input's
         self.logical = (anchor.args[0].meta["logical_shape"] if isinstance(out, (list, tuple))
@@ -261,7 +259,7 @@ def _replace(node: fx.Node, value: fx.Node) -> None:
     replaced with ``value``; a fill of any other tensor becomes ``copy_`` into it."""
     g = node.graph
     target = node.args[0]
-    if node.target._schema.name.endswith("_") and not (
+    if torch.Tag.inplace in node.target.tags and not (
             target.op == "call_function" and target.target in _FRESH and list(target.users) == [node]):
         with g.inserting_before(node):
             copy = g.call_function(aten.copy_.default, (target, value))
