@@ -103,8 +103,8 @@ def _dtensor_outputs(gm: fx.GraphModule, ctx: PassContext) -> dict:
 
 
 def _random_inputs(ctx: PassContext) -> KeyStream | None:
-    """The per-call key and coordinates of a graph whose random ops localize_random rewrote.
-    Made here, at compile time: the stream's seed is agreed over the model-parallel groups."""
+    """The per-call key and coordinates of a graph whose random ops localize_random rewrote
+    (its seed is agreed over the model-parallel groups at the graph's first call)."""
     draws = ctx.random
     if draws is None:
         return None

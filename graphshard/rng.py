@@ -7,8 +7,8 @@ independent values per shard; each data-parallel rank keeps its own stream.
 graphshard keeps it with a counter-based generator instead of a generator state per rank:
 ``graphshard::random_bits`` gives 32 random bits per element that are a pure function of
 
-- the call's *key*, a graph input: drawn once per compiled graph from the default generator of
-  the first rank of the model-parallel group (broadcast at compile time) and advanced per call,
+- the call's *key*, a graph input: seeded once per compiled graph, at its first call, from the
+  default generator of the first rank of the model-parallel group (a broadcast), new per call,
   so every rank of a model-parallel group sees the same key and each data-parallel rank the
   key of its own group (its own stream);
 - the random op's number in the graph (its *salt*);
@@ -140,23 +140,30 @@ class RandomDraws:
 class KeyStream:
     """The per-call inputs of one compiled graph: a fresh key, then this rank's coordinates.
 
-    The base seed is drawn from this rank's default (CPU) generator, so it follows the user's
-    ``torch.manual_seed``, and broadcast over each model-parallel axis from its first rank: every
-    rank of a model-parallel group ends with the seed of the group's first rank, and each
-    data-parallel rank (another group) keeps its own. Constructing it is collective over those
-    groups; every rank of them compiles the same graph, so every rank reaches it.
+    At the graph's first call the base seed is drawn from this rank's default (CPU) generator,
+    so it follows the user's ``torch.manual_seed`` (and advances that generator by one draw, as
+    the first random op of an eager step would), and broadcast over each model-parallel axis
+    from its first rank: every rank of a model-parallel group then holds the seed of the group's
+    first rank, and each data-parallel rank (another group) keeps its own. Not at compile time:
+    dynamo restores torch's RNG state after each compile, so two graphs of one model (a graph
+    break) would draw the same seed. The first call is collective over those groups; every rank
+    of them runs the graph (SPMD), so every rank reaches it.
     """
 
     def __init__(self, draws: RandomDraws, coords: Sequence[int], groups: Sequence[dist.ProcessGroup],
                  comm_device: torch.device):
-        with _compat.outside_fake_mode():
-            seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(comm_device)
-            for group in groups:
-                dist.broadcast(seed, group=group, group_src=0)
-            self.base = int(seed.item())
-            self._coords = [torch.full((), c, dtype=torch.int64, device=draws.device) for c in coords]
+        self._groups, self._comm_device = list(groups), comm_device
+        self._coords = [torch.full((), c, dtype=torch.int64, device=draws.device) for c in coords]
         self._device = draws.device
         self._calls = itertools.count()
+        self.base: int | None = None
+
+    def _agree(self) -> int:
+        with _compat.outside_fake_mode():
+            seed = torch.randint(0, 2**62, (), dtype=torch.int64).to(self._comm_device)
+            for group in self._groups:
+                dist.broadcast(seed, group=group, group_src=0)
+            return int(seed.item())
 
     def key(self, call: int) -> int:
         """The key of call number ``call``: SplitMix64 of the stream position, 63 bits."""
@@ -166,5 +173,7 @@ class KeyStream:
         return (x ^ (x >> 31)) >> 1
 
     def __call__(self) -> list[torch.Tensor]:
+        if self.base is None:
+            self.base = self._agree()
         key = torch.full((), self.key(next(self._calls)), dtype=torch.int64, device=self._device)
         return [key, *self._coords]

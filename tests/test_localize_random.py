@@ -152,14 +152,20 @@ def test_key_stream_follows_the_seed_and_advances_per_call():
 
     def stream(seed):
         torch.manual_seed(seed)
-        return KeyStream(draws, [3], [], torch.device("cpu"))
+        s = KeyStream(draws, [3], [], torch.device("cpu"))
+        return s, s()
 
-    s1, s2, s3 = stream(0), stream(0), stream(1)
+    (s1, first), (s2, first2), (s3, _) = stream(0), stream(0), stream(1)
     assert s1.base == s2.base != s3.base
-    first, second = s1(), s1()
+    second = s1()
     assert int(first[1]) == 3 and int(first[0]) != int(second[0])
-    assert int(first[0]) == int(s2()[0])
+    assert int(first[0]) == int(first2[0])
     assert all(0 <= s1.key(i) < 2**63 for i in range(100))
+    # the first call draws the seed from torch's generator: a second graph (a graph break) gets another
+    torch.manual_seed(0)
+    a, b = KeyStream(draws, [3], [], torch.device("cpu")), KeyStream(draws, [3], [], torch.device("cpu"))
+    a(), b()
+    assert a.base != b.base
 
 
 # ---------------------------------------------------------------- the distributions
@@ -219,6 +225,28 @@ def test_unsupported_random_op_is_a_listed_fallback_or_strict_error():
     graphshard.compile(strict, plan, lower="eager", strict=True)
     with pytest.raises(Exception, match="random op aten.randperm.default at node"):
         strict(torch.randn(3, 4))
+
+
+def test_graphs_of_one_model_draw_different_streams():
+    # A graph break splits the model into two graphs; each draws its own stream seed at its first
+    # call. Drawn at compile time, both seeds came from the same generator state (dynamo restores
+    # it after each compile) and the two dropouts below drew the same mask.
+    class TwoGraphs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            first = F.dropout(torch.ones(64, 64), 0.5, True) + self.fc(x).sum()
+            torch._dynamo.graph_break()
+            return first, F.dropout(torch.ones(64, 64), 0.5, True) + self.fc(x).sum()
+
+    model = seeded(TwoGraphs)
+    graphshard.compile(model, graphshard.Plan(mesh1d("tp"), {"fc": ColwiseParallel()}), lower="eager")
+    with torch.no_grad():
+        first, second = model(torch.randn(2, 4))
+    assert len(model._graphshard.explain) == 2
+    assert not torch.equal(first == first[0, 0], second == second[0, 0])
 
 
 def test_dynamic_batch():
