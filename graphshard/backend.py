@@ -37,6 +37,7 @@ from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
+from graphshard.rng import KeyStream
 from graphshard.storage import axis_group, state_for_key
 
 _graph_ids = itertools.count()
@@ -52,18 +53,23 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     t2 = time.perf_counter()
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
-    compiled = _aot_compile(traced, prepared.fake_inputs, prepared.ctx)
+    random_inputs = _random_inputs(prepared.ctx)
+    fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
+    compiled = _aot_compile(traced, fake_inputs, prepared.ctx)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
-    if not prepared.dtensor_positions and not dtensor_outputs:
+    if not prepared.dtensor_positions and not dtensor_outputs and random_inputs is None:
         return compiled
     positions = prepared.dtensor_positions
 
     def run(*args):
         args = list(args)
-        for i, local in zip(positions, _compat.local_tensors([args[i] for i in positions])):
-            args[i] = local
+        if positions:
+            for i, local in zip(positions, _compat.local_tensors([args[i] for i in positions])):
+                args[i] = local
+        if random_inputs is not None:
+            args.extend(random_inputs())
         outs = compiled(*args)
         if not dtensor_outputs:
             return outs
@@ -94,6 +100,22 @@ def _dtensor_outputs(gm: fx.GraphModule, ctx: PassContext) -> dict:
         wraps[i] = functools.partial(DTensor.from_local, device_mesh=ctx.meshes[axes[0]],
                                      placements=[placements[axes[0]]], run_check=False, shape=shape, stride=stride)
     return wraps
+
+
+def _random_inputs(ctx: PassContext) -> KeyStream | None:
+    """The per-call key and coordinates of a graph whose random ops localize_random rewrote
+    (its seed is agreed over the model-parallel groups at the graph's first call)."""
+    draws = ctx.random
+    if draws is None:
+        return None
+    meshes = [ctx.meshes[axis] for axis in draws.agree_over]
+    return KeyStream(draws, [ctx.model_parallel[axis].rank for axis in draws.coord_axes],
+                     [mesh.get_group() for mesh in meshes], torch.device(meshes[0].device_type))
+
+
+def _added_inputs(gm: fx.GraphModule, known: int) -> list:
+    """Fake values of the inputs passes added after the ``known`` ones dynamo passes."""
+    return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"][known:]
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from graphshard._compat import c10d
 from graphshard.params import AxisGroup, ParamInfo, chunk_size, lookup
 from graphshard.plan import StridedShard
+from graphshard.rng import decompositions as _rng_decompositions
 
 lib = torch.library.Library("graphshard", "DEF")
 lib.define("param(Tensor local, str key, SymInt[] shape) -> Tensor")
@@ -470,8 +471,10 @@ for _name, _bw in [
 
 
 def decompositions() -> dict:
-    """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits."""
+    """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits;
+    ``random_bits`` -> its ATen ops (``graphshard/rng.py``)."""
     return {
+        **_rng_decompositions(),
         ops.unshard.default: _unshard_decomp,
         ops.all_reduce.default: _all_reduce_decomp,
         ops.all_gather.default: _all_gather_decomp,

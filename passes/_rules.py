@@ -173,11 +173,13 @@ def to_copy(node, ins):
 
 
 @rule(aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
-      aten.rand_like.default, aten.randn_like.default, aten.bernoulli_.float)
+      aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
+      aten.bernoulli_.float, aten.bernoulli.p, aten.uniform_.default, aten.normal_.default)
 def shape_only(node, ins):
     """Ops whose output values ignore the input's values (factories ``*_like``, the in-place
     ``bernoulli_(p: float)`` of SDPA's dropout): a sharded input gives a sharded output of the local shape, a
-    Partial or replicated one a replicated output. Random fills draw independently per rank."""
+    Partial or replicated one a replicated output. Random fills draw the logical tensor's values
+    for the output's placement (``localize_random``)."""
     p = ins[0]
     return ins, p if _is_shard(p) else R
 
@@ -493,13 +495,15 @@ def embedding(node, ins):
 
 
 _UNARY_SAME = [aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
-               aten.contiguous.default, aten.gelu.default, aten.relu.default, aten.native_dropout.default]
+               aten.contiguous.default, aten.gelu.default, aten.relu.default, aten.native_dropout.default,
+               aten.bernoulli.default]
 
 
 @rule(aten.native_dropout.default)
 def dropout(node, ins):
-    """(output, mask): each rank draws its own mask for its piece. A Partial input is replicated
-    first: ranks' different masks do not sum to a dropout of the sum."""
+    """(output, mask): the mask has the input's placement (``localize_random`` draws each piece of
+    the logical mask). A Partial input is replicated first: a dropout of the summands is not a
+    dropout of the sum."""
     p = ins[0]
     if isinstance(p, Partial):
         return [R], [R, R]

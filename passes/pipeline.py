@@ -13,6 +13,7 @@ import torch.fx as fx
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport
 from graphshard.params import AxisGroup
+from graphshard.rng import RandomDraws
 
 log = logging.getLogger("graphshard.passes")
 
@@ -31,6 +32,7 @@ class PassContext:
     input_requires_grad: list = field(default_factory=list)  # per graph input: whether it requires grad
     meshes: dict = field(default_factory=dict)  # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
     fake_mode: object = None
+    random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
     stage: str = "pre_autograd"
     graph_index: int = 0
     dump_counter: collections.Counter = field(default_factory=collections.Counter)
@@ -40,6 +42,7 @@ def pre_autograd_passes() -> list[Pass]:
     from graphshard.passes.annotate_placements import annotate_placements
     from graphshard.passes.bucket_collectives import bucket_collectives
     from graphshard.passes.insert_collectives import insert_collectives
+    from graphshard.passes.localize_random import localize_random
     from graphshard.passes.localize_shapes import localize_shapes
     from graphshard.passes.relax_views import relax_views
     from graphshard.passes.tag_resharding import tag_resharding
@@ -49,6 +52,7 @@ def pre_autograd_passes() -> list[Pass]:
         annotate_placements,  # placements from the markers and plan, on the logical program
         insert_collectives,   # needs every node's placement; replaces markers with unshard / local shards
         localize_shapes,      # after insertion: rewrites logical sizes to per-rank sizes, re-derives meta["val"]
+        localize_random,      # after localization: a random op's local and logical sizes are both known; emits per-rank draws
         bucket_collectives,   # after localization: merges each unit's unshards into one collective
         tag_resharding,       # last: tags the final unshard nodes recompute/save for aot_autograd's partitioner
     ]

@@ -143,3 +143,27 @@ def test_torch_tensor_parallel_cannot_run_hard_coded_heads(tp_results):
 def test_fsdp_and_tensor_parallel_on_a_2x2_mesh():
     (r,) = torchrun("tp_numerics.py", TP_FOUR_RANK, nproc=4)
     _check(r)
+
+
+# Random ops under model parallelism (tests/workers/rng_numerics.py): one 4-rank launch, every rank seeded
+# differently; two 2-rank TP jobs, then FSDP + TP on a 2x2 mesh, each lowered eagerly and by Inductor.
+RNG_CASES = ["tp:eager", "tp:inductor", "fsdp_tp:eager", "fsdp_tp:inductor"]
+
+
+@pytest.fixture(scope="module")
+def rng_results():
+    return {r["case"]: r for r in torchrun("rng_numerics.py", RNG_CASES, nproc=4)}
+
+
+@pytest.mark.parametrize("case", RNG_CASES)
+def test_random_ops_follow_placements(rng_results, case):
+    r = rng_results[case]
+    assert r["replicated_params"] == ["fc2.bias"], r
+    # replicated over "tp": bitwise the same on every tp rank, though the ranks' generators differ
+    assert r["replicated_diff"] == 0 and r["loss_diff_tp"] == 0, r
+    # the draws are the logical program's: the run matches the model on one tp rank seeded like the group's first
+    assert r["loss_err"] < TOL and r["param_err"] < TOL, r
+    if case.endswith(":eager"):
+        assert not r["probe_halves_equal"], r  # shards draw their own values (for "tp": the same seed on every rank)
+        assert r["probe_replicated_diff"] == 0 and abs(r["probe_drop_rate"] - 0.25) < 0.05, r
+        assert r.get("probe_dp_equal", False) is False, r  # fsdp_tp: each data-parallel rank its own stream

@@ -141,3 +141,19 @@ class SharedBlockMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.first(self.inp(x)))
         return self.out(F.gelu(self.second(h)))
+
+
+class DropoutMLP(nn.Module):
+    """``fc1 -> GELU -> dropout -> fc2 -> dropout``. Under tensor parallelism (``fc1``
+    column-parallel, ``fc2`` row-parallel) the first dropout draws its mask on a sharded
+    value (the hidden units) and the second on a replicated one (the output)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, p: float = 0.25):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.gelu(self.fc1(x)), self.p, self.training)
+        return F.dropout(self.fc2(h), self.p, self.training)
