@@ -31,7 +31,7 @@ TWO_RANK = [
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager"]
 # Rank 1 alone sees a new input shape at step 2 and compiles a second graph, lowered by region
 # or whole, with shared compiles on (both ranks share the first graph's compile).
-ONE_RANK_COMPILES = ["mlp:full_shard:inductor:rank1_shape", "mlp:full_shard:whole:rank1_shape"]
+ONE_RANK_COMPILES = ["mlp:full_shard:inductor:rank1_shape", "mlp16:full_shard:whole:rank1_shape"]
 # Tensor parallelism (tests/workers/tp_numerics.py): plan:frontend:lower, and torch's own TP beside ours.
 TP_TWO_RANK = ["tp:plan:eager", "sp:plan:eager", "loss_parallel:plan:eager", "loss_inside:plan:eager",
                "tp:parallelize:inductor", "torch_tp:tp"]
