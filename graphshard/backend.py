@@ -370,13 +370,16 @@ class SharedCompile:
         key = f"{self.prefix}{digest}/done"
         if self.store.check([key]):
             return True
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
-            return True
-        except Exception:  # noqa: BLE001 - the store's timeout error type varies by store and version
-            log.warning("graphshard: compile work %s claimed by another local rank is not done after %.0f s; "
-                        "compiling it here", digest[:12], self.wait_s)
-            return False
+        left = deadline - time.monotonic()
+        if left >= 0.001:  # a zero timeout is "no timeout" to c10d's stores
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=left))
+                return True
+            except Exception:  # noqa: BLE001 - the store's timeout error type varies by store and version
+                pass
+        log.warning("graphshard: compile work %s claimed by another local rank is not done after %.0f s; "
+                    "compiling it here", digest[:12], self.wait_s)
+        return False
 
 
 def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, is_backward: bool,

@@ -47,6 +47,7 @@ def test_shared_compile_claims_work_by_content_and_waits_only_for_claimed_work()
     assert second.claim("region-b") and not first.claim("region-b")
     assert second.claim("only-on-second")  # a graph compiled by one rank only
     assert not second.wait("region-a", second.deadline())  # claimed, not done: the bound expires
+    assert not second.wait("region-a", 0.0)  # a deadline already past returns at once
     first.done("region-a")
     assert second.wait("region-a", second.deadline())
     assert SharedCompile(store, "node1/").claim("region-a")  # another machine claims apart
