@@ -241,9 +241,10 @@ class TestRegionFacts(TestCase):
         # aot_autograd compiles the backward inside a context that lists the whole graph's
         # donated buffers (the saved activations: placeholders 2.. here). A region compiled
         # in that context took those positions for its own inputs, and Inductor wrote its
-        # outputs into them: the tanh a later region reads, the pack output two regions read.
-        # Gradients were off by ~20. Each region is compiled with its own facts: no input of
-        # a region is written, and the gradients are eager's.
+        # outputs into four of them; among them the saved tanh, which the last region reads
+        # again (through the alias saved for tanh's own backward). Gradients were off by ~20.
+        # Each region is compiled with its own facts: no input of a region is written, and
+        # the gradients are eager's.
         writes = []
 
         def backward_compiler(gm, inputs):
