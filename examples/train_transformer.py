@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--batch-per-rank", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--lower", choices=["inductor", "eager"], default="inductor")
+    ap.add_argument("--fast-compile", action="store_true",
+                    help="batch_cpp_kernels and fast_isa_check (the opt-ins that shorten a cold CPU compile)")
     args = ap.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -44,12 +46,14 @@ def main() -> None:
     reference = Transformer(cfg).to(device)
     model = copy.deepcopy(reference)
     plan = graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
-    model = graphshard.compile(model, plan, lower=args.lower)
+    model = graphshard.compile(model, plan, lower=args.lower, batch_cpp_kernels=args.fast_compile,
+                               fast_isa_check=args.fast_compile)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     if rank == 0:
         print(f"graphshard demo: {world} ranks ({'nccl' if cuda else 'gloo'}), {cfg.n_layers} layers, dim {cfg.dim}, "
-              f"{sum(p.numel() for p in reference.parameters()):,} parameters, FULL_SHARD, lower={args.lower}")
+              f"{sum(p.numel() for p in reference.parameters()):,} parameters, FULL_SHARD, lower={args.lower}"
+              + (", fast compile" if args.fast_compile else ""))
 
     b = args.batch_per_rank
     worst = 0.0

@@ -12,6 +12,7 @@ import logging
 import os
 import platform
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -54,22 +55,54 @@ def inductor_partition_fn(gm: torch.fx.GraphModule, joint_inputs, **kwargs):
     return partition_fn(gm, joint_inputs, **kwargs)
 
 
-def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool) -> Callable:
-    """Inductor's compiler for an already partitioned ATen forward or backward graph."""
+def inductor_compile_inner(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool,
+                           batch: bool = False) -> Callable:
+    """Inductor's compiler for an already partitioned ATen forward or backward graph, compiled
+    whole with the facts aot_autograd holds for it (its donated buffers, its output strides).
+    ``batch``: its C++ kernels built as one library (``batched_cpp_kernels``)."""
     from torch._inductor.compile_fx import compile_fx_inner
 
-    with batched_cpp_kernels():
+    with batched_cpp_kernels(enabled=batch):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
-def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool) -> Callable:
-    """Inductor's compiler for one region of a forward or backward graph, inside aot_autograd's
-    compiler call: the region's output strides are kept out of the strides aot_autograd
-    records for the whole graph (``report_output_strides`` reports those)."""
-    from torch._guards import TracingContext
-    from torch._inductor.compile_fx import compile_fx_inner
+# Part of every region's FX graph cache key: entries written by graphshard versions that
+# compiled regions with the whole graph's facts (inherited buffer donation) must never be
+# served. Bump it whenever what a region is compiled with changes.
+_REGION_CACHE_TAG = "graphshard-region-own-facts-1"
 
-    with TracingContext.report_output_strides(), batched_cpp_kernels():
+
+def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool,
+                            batch: bool = False) -> Callable:
+    """Inductor's compiler for one region of a forward or backward graph, with the region's own
+    facts, not the whole graph's.
+
+    aot_autograd calls graphshard's compiler inside a ``TracingContext`` that describes the
+    whole graph: which of its inputs Inductor may overwrite (``bw_donated_idxs``, positions
+    in the whole backward's inputs), its static inputs, the list its output strides are
+    reported in. Inductor reads all of these from the ambient context, so a region compiled
+    there applied the whole graph's donated positions to its own inputs and wrote its
+    outputs into buffers that later regions still read. Each region is therefore compiled
+    in a context of its own that shares only the fake mode (and so the shape environment):
+    no donated inputs, no static inputs, no output strides reported to aot_autograd
+    (``report_output_strides`` reports the whole graph's). Every region output is read by
+    other compiled code that assumes its traced strides, so all of them are user-visible
+    outputs (Inductor keeps their strides, as it does for ``invoke_subgraph`` bodies). The
+    FX graph cache key does not cover donation, so a tag in it keeps regions apart from any
+    entry compiled otherwise (``_REGION_CACHE_TAG``)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.compiler import config as compiler_config
+
+    outer = TracingContext.try_get()
+    fake_mode = outer.fake_mode if outer is not None and outer.fake_mode is not None else fake_mode_of(example_inputs)
+    out = gm.graph.find_nodes(op="output")[0]
+    outputs = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    out.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outputs) if isinstance(o, torch.fx.Node)]
+    tag = compiler_config.cache_key_tag
+    with (tracing(TracingContext(fake_mode)),
+          compiler_config.patch(cache_key_tag=f"{tag}/{_REGION_CACHE_TAG}" if tag else _REGION_CACHE_TAG),
+          batched_cpp_kernels(enabled=batch)):
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
@@ -96,8 +129,9 @@ def is_concrete_int(x) -> bool:
 
 def inductor_fx_graph_cache_enabled() -> bool:
     from torch._inductor import config
+    from torch.compiler import config as compiler_config
 
-    return bool(config.fx_graph_cache)
+    return bool(config.fx_graph_cache) and not (config.force_disable_caches or compiler_config.force_disable_caches)
 
 
 def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
@@ -107,23 +141,28 @@ def inductor_config_patch(**kwargs) -> contextlib.AbstractContextManager:
 
 
 _isa_checks: dict[str, Future] = {}  # ISA -> its build check, started by inductor_cpu_warmup
+_isa_lock = threading.Lock()
 
 
 def inductor_cpu_warmup() -> None:
     """Starts, on a thread of its own, the check Inductor makes before its first C++ kernel,
     that the compiler builds (and the machine loads) code for the vector ISA it will use.
     Started when the joint graph's partition begins, it runs beside the ranks' partitions;
-    started earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result."""
+    started earlier it slows the tracing ranks. ``inductor_cpu_settings`` reads its result.
+    Only with ``CompileConfig.fast_isa_check``."""
     isa = _picked_isa()
-    if isa is not None and str(isa) not in _isa_checks:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="graphshard-inductor-warmup")
-        _isa_checks[str(isa)] = pool.submit(bool, isa)
-        pool.shutdown(wait=False)  # the thread ends once the check is done
+    if isa is None:
+        return
+    with _isa_lock:
+        if str(isa) not in _isa_checks:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="graphshard-inductor-warmup")
+            _isa_checks[str(isa)] = pool.submit(bool, isa)
+            pool.shutdown(wait=False)  # the thread ends once the check is done
 
 
 def inductor_cpu_settings() -> dict[str, Any]:
     """Inductor settings for a compile of CPU code: ``cpp.vec_isa_ok`` once the ISA Inductor
-    picks has passed its build check.
+    picks has passed its build check (``CompileConfig.fast_isa_check``, off by default).
 
     Inductor's ``valid_vec_isa_list`` builds a test library for every ISA the CPU reports,
     one after another (AVX-512 VNNI, AVX-512 and AVX2 here: ~7 s of gcc on the 2-core
@@ -134,13 +173,22 @@ def inductor_cpu_settings() -> dict[str, Any]:
     it is the first and passes tells Inductor the check is done. Otherwise (another ISA asked
     for through ``ATEN_CPU_CAPABILITY``, ``cpp.simdlen`` or ``cpp.vec_isa_ok`` set by the
     user, a CPU other than x86, a failed check) it returns no setting and Inductor checks
-    every ISA itself, as without graphshard."""
+    every ISA itself, as without graphshard.
+
+    The setting lives only inside graphshard's config patch (thread-local in torch >= 2.12),
+    but Inductor keeps the list of valid ISAs it builds under it for the whole process
+    (``valid_vec_isa_list`` is cached): a compile that runs later in the process, on any
+    thread, takes its list from graphshard's check instead of checking every ISA. That list
+    is the one Inductor's own check gives whenever the first ISA builds and loads (each
+    ISA's flags include the next one's), which is why this is an opt-in and not a default."""
     isa = _picked_isa()
     if isa is None:
         return {}
     inductor_cpu_warmup()
+    with _isa_lock:
+        check = _isa_checks[str(isa)]
     try:
-        ok = _isa_checks[str(isa)].result()
+        ok = check.result()
     except Exception as e:  # noqa: BLE001 - Inductor then runs its own check
         log.warning("graphshard: the %s build check failed (%r); Inductor checks every ISA itself", isa, e)
         ok = False
@@ -164,15 +212,6 @@ def _picked_isa():
     picked = isa_mod.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates,
                                                   isa_mod.invalid_vec_isa)
     return picked if picked is candidates[0] else None
-
-
-def outside_fake_mode() -> contextlib.AbstractContextManager:
-    """Suspends the active FakeTensorMode, if any. Backend compilers run under aot_autograd's
-    fake mode, where a c10d call on a tensor it creates (``barrier`` makes one) would be
-    faked too and return at once without communicating."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
 
 
 def default_store():
@@ -454,6 +493,7 @@ class _KernelBatch:
     def __init__(self) -> None:
         self.kernels: list[tuple[list[str], str]] = []
         self.fns: list[Callable] = []
+        self.lock = threading.Lock()  # a pending kernel may first be called on any thread
 
     def add(self, argtypes, source: str) -> "_PendingKernel":
         self.kernels.append((list(argtypes), source))
@@ -462,6 +502,10 @@ class _KernelBatch:
     def resolve(self) -> list[Callable]:
         """Every kernel added so far, as Inductor's callables (a deferred block may add more
         after a first call; those resolve on the next)."""
+        with self.lock:
+            return self._resolve()
+
+    def _resolve(self) -> list[Callable]:
         fns, start = self.fns, len(self.fns)
         if start < len(self.kernels):
             idents = _kernel_idents(self.kernels[start:])
@@ -497,24 +541,42 @@ def _patch_scope(scope: dict, batch: _KernelBatch) -> None:
             scope[name] = fns[value.index]
 
 
-class _BatchState:
+class _BatchState(threading.local):
+    """What the current thread's ``batched_cpp_kernels`` blocks collect (other threads: nothing)."""
+
     depth = 0
     deferred: _KernelBatch | None = None
-    scopes: list[dict] = []
+    scopes: list[dict]
+
+    def __init__(self) -> None:
+        self.scopes = []
 
 
-@contextlib.contextmanager
-def batched_cpp_kernels(*, defer: bool = False):
-    """While active, each module Inductor generates builds its C++ kernels as one library;
-    with ``defer``, all modules generated in the block share one library, built at its end."""
+_batch_state = _BatchState()
+_hook_lock = threading.Lock()
+_hook_users = 0  # threads inside a batched block; Inductor's methods are replaced while > 0
+_hook_originals: tuple[Callable, Callable] | None = None
+
+
+def _install_hooks() -> None:
+    """Replaces ``AsyncCompile.cpp_pybinding`` and ``wait`` while any thread is in a batched
+    block. Inductor has no per-compile hook for how a generated module builds its C++
+    kernels (the module makes its own ``AsyncCompile``), so the class's methods are the only
+    place; the replacements batch only calls made on a thread inside a block and hand every
+    other call to Inductor's own method, unchanged."""
+    global _hook_users, _hook_originals
     from torch._inductor.async_compile import AsyncCompile
 
-    state = _BatchState
-    outer = state.depth == 0
-    if outer:
+    with _hook_lock:
+        _hook_users += 1
+        if _hook_users > 1:
+            return
         own_pybinding, own_wait = AsyncCompile.cpp_pybinding, AsyncCompile.wait
 
         def cpp_pybinding(self, argtypes, source_code):
+            state = _batch_state
+            if not state.depth:  # another thread's compile: Inductor's own build
+                return own_pybinding(self, argtypes, source_code)
             batch = state.deferred
             if batch is None:  # one batch per generated module (each makes its own AsyncCompile)
                 batch = self.__dict__.setdefault("_graphshard_kernels", _KernelBatch())
@@ -523,11 +585,49 @@ def batched_cpp_kernels(*, defer: bool = False):
         def wait(self, scope):
             if (batch := self.__dict__.pop("_graphshard_kernels", None)) is not None:
                 _patch_scope(scope, batch)
-            elif state.deferred is not None:  # patched when the deferred block ends
-                state.scopes.append(scope)
+            elif _batch_state.depth and _batch_state.deferred is not None:  # patched when the block ends
+                _batch_state.scopes.append(scope)
             return own_wait(self, scope)
 
+        cpp_pybinding.graphshard_hook = wait.graphshard_hook = True
+        _hook_originals = (own_pybinding, own_wait)
         AsyncCompile.cpp_pybinding, AsyncCompile.wait = cpp_pybinding, wait
+
+
+def _remove_hooks() -> None:
+    global _hook_users, _hook_originals
+    from torch._inductor.async_compile import AsyncCompile
+
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users or _hook_originals is None:
+            return
+        if getattr(AsyncCompile.cpp_pybinding, "graphshard_hook", False):
+            AsyncCompile.cpp_pybinding, AsyncCompile.wait = _hook_originals
+        else:  # someone replaced them after graphshard did: theirs stay (they delegate to ours, which delegate on)
+            log.warning("AsyncCompile.cpp_pybinding was replaced during a graphshard compile; left as it is")
+        _hook_originals = None
+
+
+def inductor_hooks_installed() -> bool:
+    """Whether graphshard's kernel-batch hooks are in Inductor's ``AsyncCompile`` now."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    return bool(getattr(AsyncCompile.cpp_pybinding, "graphshard_hook", False))
+
+
+@contextlib.contextmanager
+def batched_cpp_kernels(*, enabled: bool = True, defer: bool = False):
+    """While active on this thread, each module Inductor generates here builds its C++ kernels
+    as one library; with ``defer``, all modules generated in the block share one library,
+    built at its end. Compiles on other threads are Inductor's own. ``enabled=False`` does
+    nothing (``CompileConfig.batch_cpp_kernels``)."""
+    if not enabled:
+        yield
+        return
+    state = _batch_state
+    if state.depth == 0:
+        _install_hooks()
     opened = defer and state.deferred is None
     if opened:
         state.deferred, state.scopes = _KernelBatch(), []
@@ -541,5 +641,5 @@ def batched_cpp_kernels(*, defer: bool = False):
         state.depth -= 1
         if opened:
             state.deferred, state.scopes = None, []
-        if outer:
-            AsyncCompile.cpp_pybinding, AsyncCompile.wait = own_pybinding, own_wait
+        if state.depth == 0:
+            _remove_hooks()

@@ -23,14 +23,18 @@ def compile(
     regional: bool = True,
     strict: bool = False,
     dump_graphs: str | None = None,
+    batch_cpp_kernels: bool = False,
+    fast_isa_check: bool = False,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 
     The module keeps its FQNs (no wrapper prefix); its parameters are sharded
-    DTensors; the first call traces and compiles forward and backward.
+    DTensors; the first call traces and compiles forward and backward. The keywords are
+    ``CompileConfig``'s fields.
     """
     config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, regional=regional, strict=strict,
-                           dump_graphs=dump_graphs)
+                           dump_graphs=dump_graphs, batch_cpp_kernels=batch_cpp_kernels,
+                           fast_isa_check=fast_isa_check)
     if state_of(model) is None:
         shard(model, plan)
     elif state_of(model).plan is not plan:

@@ -15,9 +15,11 @@ backend
 
 from __future__ import annotations
 
-import contextlib
+import datetime
 import functools
+import hashlib
 import itertools
+import logging
 import os
 import re
 import time
@@ -40,6 +42,7 @@ from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_a
 from graphshard.rng import KeyStream
 from graphshard.storage import axis_group, state_for_key
 
+log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
 
 
@@ -176,7 +179,12 @@ def _fake_local(x, fake_mode):
 
 
 def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule:
-    with fake_mode, torch.no_grad():
+    """The dynamo graph as ATen, traced with the grad facts of the real call: the grad mode
+    dynamo compiles for and inputs that require grad as the real ones do. Composite ops pick
+    their kernels by these facts (attention picks a fused kernel only for a mask that needs
+    no gradient), and aot_autograd traces the result again with autograd on: a kernel chosen
+    as if nothing needed a gradient then has no derivative for what does."""
+    with fake_mode:
         traced = _compat.make_fx(fx.Interpreter(gm).run, tracing_mode="real")(*fake_inputs)
     return traced
 
@@ -216,13 +224,16 @@ def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphR
 def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
-    share = _shared_compile(ctx.config.share_compile)
+    compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
+    config = ctx.config
+    share = _shared_compile(config.share_compile)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead
-        base = (_compat.inductor_partition_fn if ctx.config.lower == "inductor"
+        base = (_compat.inductor_partition_fn if config.lower == "inductor"
                 else _compat.min_cut_rematerialization_partition)
-        if ctx.config.lower == "inductor" and any(x.device.type == "cpu" for x in _tensors(joint_inputs)):
+        if (config.lower == "inductor" and config.fast_isa_check
+                and any(x.device.type == "cpu" for x in _tensors(joint_inputs))):
             _compat.inductor_cpu_warmup()  # overlaps the partition (see the function)
         fw, bw = base(joint, joint_inputs, **kwargs)
         ctx.stage = "forward"
@@ -230,7 +241,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         ctx.stage = "backward"
         bw = run_passes(bw, ctx, post_partition_passes())
         partitioned = True
-        if (ctx.config.lower == "inductor" and ctx.config.regional and share is not None
+        if (config.lower == "inductor" and config.regional and share is not None
                 and whole_graph_reason(fw) is None and whole_graph_reason(bw) is None):
             ahead = plan_regions(bw, is_backward=True)[3]
         return fw, bw
@@ -239,33 +250,34 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         def compile_graph(g: fx.GraphModule, inputs):
             start = time.perf_counter()
             ctx.stage = stage
+            is_backward = stage == "backward"
             if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
                 g = run_passes(g, ctx, post_partition_passes())
-            if ctx.config.lower == "eager":
-                compiled = _compat.boxed_nop(g, inputs)
-            elif ctx.config.regional and not _whole_graph(g, stage, ctx):
-                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs),
+            if config.lower == "eager":
+                compiled_fn = _compat.boxed_nop(g, inputs)
+            elif config.regional and not _whole_graph(g, stage, ctx):
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
                                                    compile_threads=_compile_threads()):
-                    compiled, order, counts = lower_regions(g, is_backward=stage == "backward",
-                                                            share=share,
-                                                            ahead=ahead if stage == "forward" else None)
+                    compiled_fn, order, counts = lower_regions(
+                        g, is_backward=is_backward, share=share, ahead=ahead if stage == "forward" else None,
+                        compiled=compiled, batch=config.batch_cpp_kernels)
                 ctx.report.lowered_order[stage] = order
                 ctx.report.regions[stage] = counts
-                if ctx.config.dump_graphs:
-                    with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
-                        f.write(compiled.describe() + "\n")
+                if config.dump_graphs:
+                    with open(os.path.join(config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
+                        f.write(compiled_fn.describe() + "\n")
             else:
-                with (_compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs)),
-                      _staggered(ctx.config.share_compile)):
-                    compiled = _compat.inductor_compile_inner(g, inputs, is_backward=stage == "backward")
-                _record_lowered(compiled, stage, ctx)
+                with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
+                    compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _compat.inductor_compile_inner(
+                        g, inputs, is_backward=is_backward, batch=config.batch_cpp_kernels))
+                _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
-            return compiled
+            return compiled_fn
 
         return compile_graph
 
     decomps = dict(decompositions())
-    if ctx.config.lower == "inductor":
+    if config.lower == "inductor":
         decomps = {**_compat.inductor_decompositions(), **decomps}
     return _compat.aot_module_simplified(
         gm,
@@ -277,9 +289,12 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     )
 
 
-def _cpu_settings(inputs) -> dict:
-    """Inductor settings for a graph that computes on the CPU (``_compat.inductor_cpu_settings``)."""
-    return _compat.inductor_cpu_settings() if any(x.device.type == "cpu" for x in _tensors(inputs)) else {}
+def _cpu_settings(inputs, config: CompileConfig) -> dict:
+    """Inductor settings for a graph that computes on the CPU: with ``fast_isa_check``, the
+    vector-ISA check done (``_compat.inductor_cpu_settings``); none by default."""
+    if config.fast_isa_check and any(x.device.type == "cpu" for x in _tensors(inputs)):
+        return _compat.inductor_cpu_settings()
+    return {}
 
 
 def _tensors(values) -> list[torch.Tensor]:
@@ -332,65 +347,78 @@ def _compile_threads() -> int:
     return max(1, cores // (local[1] if local else 1))
 
 
-_shared_phases = itertools.count()
+# How long a rank waits for compile work another local rank claimed before compiling it
+# itself. The claimer does not wait on anything while it compiles, so the bound is only a
+# safety net (a claimer that died or stalls); it is far above one rank's share of a compile.
+CLAIM_WAIT_S = 300.0
 
 
-def _shared_compile(enabled: bool):
-    """Regional lowering's division of work between the local ranks: each claims the next
-    region no rank has taken from a counter in the process group's store (an atomic add),
-    compiles it into the shared on-disk cache, and claims again; after a barrier it loads
-    the others' regions from the cache. A rank that reaches the compile late (tracing ran
-    slower there) simply claims less. Every rank passes exactly one barrier per graph and
-    runs the same phases in the same order, so the counters' names agree across ranks."""
+def _shared_compile(enabled: bool) -> SharedCompile | None:
+    """Compile work shared by the local ranks (they share the on-disk Inductor cache), or None
+    (one rank on this machine, the FX graph cache off, ``share_compile=False``)."""
     local = _local_ranks() if enabled and _compat.inductor_fx_graph_cache_enabled() else None
     if local is None:
         return None
-
-    def share(n: int) -> tuple[Callable[[], int | None], Callable[[], None]]:
-        node = os.environ.get("GROUP_RANK", "0")  # local ranks share a cache; other machines count apart
-        return claims(_compat.default_store(), f"graphshard/compile/{node}/{next(_shared_phases)}", n), _barrier
-
-    return share
+    node = os.environ.get("GROUP_RANK", "0")  # local ranks share a cache; other machines claim apart
+    return SharedCompile(_compat.default_store(), f"graphshard/compile/{node}/")
 
 
-def claims(store, key: str, n: int) -> Callable[[], int | None]:
-    """``claim()`` over a store counter: the indices 0..n-1, each handed to exactly one caller
-    among all that share ``store`` and ``key``, then None."""
-    def claim() -> int | None:
-        i = store.add(key, 1) - 1
-        return i if i < n else None
+class SharedCompile:
+    """Claims on compile work in the process group's store, keyed by the work's content.
 
-    return claim
+    A rank compiles what it wins the claim of (``claim``: the first ``store.add`` on the
+    key), says so when its result is in the on-disk cache (``done``), and waits for work
+    another rank claimed (``wait``, bounded by ``CLAIM_WAIT_S``) before loading it from the
+    cache. Nothing here is a collective: a rank waits only for a key another rank has
+    already claimed, so a graph only some ranks compile (a recompile on one rank, a
+    rank-dependent branch) never waits on ranks that do not compile it. A key claimed in an
+    earlier compile of the job is done already, and every rank loads that work from the cache.
+    """
+
+    def __init__(self, store, prefix: str, wait_s: float = CLAIM_WAIT_S):
+        self.store, self.prefix, self.wait_s = store, prefix, wait_s
+
+    def claim(self, digest: str) -> bool:
+        return self.store.add(f"{self.prefix}{digest}/claims", 1) == 1
+
+    def done(self, digest: str) -> None:
+        self.store.set(f"{self.prefix}{digest}/done", b"1")
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.wait_s
+
+    def wait(self, digest: str, deadline: float) -> bool:
+        """Until the claimer of ``digest`` is done or ``deadline`` passes; True when it was done."""
+        key = f"{self.prefix}{digest}/done"
+        if self.store.check([key]):
+            return True
+        left = deadline - time.monotonic()
+        if left >= 0.001:  # a zero timeout is "no timeout" to c10d's stores
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=left))
+                return True
+            except Exception:  # noqa: BLE001 - the store's timeout error type varies by store and version
+                pass
+        log.warning("graphshard: compile work %s claimed by another local rank is not done after %.0f s; "
+                    "compiling it here", digest[:12], self.wait_s)
+        return False
 
 
-@contextlib.contextmanager
-def _staggered(enabled: bool):
-    """Whole-graph lowering: local rank 0 compiles first; the other local ranks wait at a
-    barrier, then compile with its kernels already in the shared on-disk cache."""
-    local = _local_ranks() if enabled else None
-    if local is None:
-        yield
-        return
-    leader = local[0] == 0
-    if not leader:
-        _barrier()
+def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, is_backward: bool,
+                        compile_fn: Callable[[], Callable]) -> Callable:
+    """Whole-graph lowering, shared: the rank that claims the graph compiles it first; the
+    others wait for it (bounded) and then compile with its kernels in the on-disk cache."""
+    if share is None:
+        return compile_fn()
+    metas = [(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs]
+    digest = hashlib.sha256(repr((is_backward, g.code, metas)).encode()).hexdigest()
+    if not share.claim(digest):
+        share.wait(digest, share.deadline())
+        return compile_fn()
     try:
-        yield
+        return compile_fn()
     finally:
-        if leader:
-            _barrier()
-
-
-def _barrier() -> None:
-    """Holds the local ranks until all have compiled their share. It runs outside the
-    compile's fake mode: under it, c10d's barrier works on a fake tensor and returns at
-    once (what earlier versions saw as gloo letting a rank through early). A rank that did
-    pass early would still be correct: it compiles the regions it does not find in the cache."""
-    with _compat.outside_fake_mode():
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier()
-        else:
-            dist.barrier()
+        share.done(digest)
 
 
 _LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\._c10d_functional\.(?P<op>\w+)\.default\((?P<arg>\w+)?")

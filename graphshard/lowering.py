@@ -29,9 +29,10 @@ so Inductor frees each one inside the region after its last read.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.fx as fx
@@ -88,20 +89,39 @@ def is_communication(node: fx.Node) -> bool:
     all-gather): a region of such views would compute nothing."""
     if node.op != "call_function":
         return False
+    return _communication_op(node) or (
+        _aten_name(node) in _VIEWS and _feeds_only_communication(node) and _reads_only_inputs_or_communication(node))
+
+
+def _communication_op(node: fx.Node) -> bool:
+    """A collective, wait or custom copy op (or an item of one's result); views not included."""
+    if node.op != "call_function":
+        return False
     if node.target is operator.getitem:
-        return is_communication(node.args[0])
-    ns = getattr(node.target, "namespace", None)
-    if ns in COMMUNICATION_NAMESPACES:
-        return True
-    return (_aten_name(node) in _VIEWS and _feeds_only_communication(node)
-            and all(a.op == "placeholder" or is_communication(a) for a in node.all_input_nodes))
+        return _communication_op(node.args[0])
+    return getattr(node.target, "namespace", None) in COMMUNICATION_NAMESPACES
 
 
 def _feeds_only_communication(view: fx.Node) -> bool:
-    """Every use of ``view`` is communication; the pieces of a view that returns several
-    (``split``) are judged by their own uses."""
+    """Every use of ``view`` is communication, or a view that feeds only communication; the
+    pieces of a view that returns several (``split``) are judged by their own uses. Looks
+    only at users, so a chain of views is walked once, forward."""
     users = [w for u in view.users for w in (u.users if u.target is operator.getitem else [u])]
-    return bool(users) and all(is_communication(u) for u in users)
+    return bool(users) and all(_communication_op(u) or (_aten_name(u) in _VIEWS and _feeds_only_communication(u))
+                               for u in users)
+
+
+def _reads_only_inputs_or_communication(view: fx.Node) -> bool:
+    """Every input of ``view`` is a graph input, communication, or a view of those. Looks only
+    at inputs, so a chain of views is walked once, backward."""
+    def source(a: fx.Node) -> bool:
+        if a.op == "placeholder" or _communication_op(a):
+            return True
+        if a.op == "call_function" and a.target is operator.getitem:
+            return source(a.args[0])
+        return _aten_name(a) in _VIEWS and _reads_only_inputs_or_communication(a)
+
+    return all(source(a) for a in view.all_input_nodes)
 
 
 _FACTORIES = frozenset({"full", "iota", "arange", "zeros", "ones", "scalar_tensor"})
@@ -466,9 +486,15 @@ class RegionWork:
     inputs: list
     cost: int
     is_backward: bool
+    key: tuple = ()
 
-    def compile(self) -> Callable:
-        return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward)
+    def compile(self, *, batch: bool = False) -> Callable:
+        return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward, batch=batch)
+
+    def digest(self) -> str:
+        """The region's identity across processes (what it computes, on which inputs, in
+        which graph): the name local ranks claim it under (``backend.SharedCompile``)."""
+        return hashlib.sha256(repr((self.is_backward, self.key)).encode()).hexdigest()
 
 
 def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
@@ -502,46 +528,62 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
         if step.key not in work:
             rgm = step.module()
             work[step.key] = RegionWork(rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")],
-                                        generated, is_backward)
+                                        generated, is_backward, step.key)
     counts["compiled"] = len(work)
     return steps, order, counts, work
 
 
-def lower_regions(gm: fx.GraphModule, *, is_backward: bool,
-                  share: Callable[[int], tuple[Callable[[], int | None], Callable[[], None]]] | None = None,
+class CompileShare(Protocol):
+    """How local ranks split compile work (``backend.SharedCompile``)."""
+
+    def claim(self, digest: str) -> bool: ...
+    def done(self, digest: str) -> None: ...
+    def wait(self, digest: str, deadline: float) -> bool: ...
+    def deadline(self) -> float: ...
+
+
+def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare | None = None,
                   ahead: dict[tuple, RegionWork] | None = None,
+                  compiled: dict[tuple, Callable] | None = None, batch: bool = False,
                   ) -> tuple[Callable, list[str], dict[str, int]]:
     """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
     order of communication and compute it runs, and region counts for the report.
 
-    ``share(n)``, when given, splits the compile work between the local ranks. It returns
-    ``claim()``, which hands this rank the index of the next of ``n`` regions no rank has
-    taken yet (None when all are taken), and ``wait()``, which returns once every local
-    rank has compiled what it claimed into the shared on-disk cache. Regions are claimed
-    largest first (by the ops Inductor generates code for), so a rank that starts late,
-    or draws a small region, takes more. The rest are then loaded from the cache
-    (``backend._shared_compile``). ``ahead`` are another graph's regions (the backward's,
-    known once the joint graph is partitioned), claimed after this graph's: the ranks
-    compile them in this phase, and the backward finds them in the cache.
+    ``share``, when given, splits the compile work between the local ranks: going through
+    the regions largest first (by the ops Inductor generates code for), a rank compiles each
+    one it wins the claim of (``share.claim``, keyed by the region's content), so a rank that
+    starts late, or draws a small region, takes more; it marks them done once their kernels
+    are built, then waits (bounded) for each region of this graph another rank claimed, and
+    loads it from the shared on-disk cache. No rank waits for a region nobody claimed, so a
+    graph that only one rank compiles (a recompile, a rank-dependent branch) compiles there
+    alone. ``ahead`` are another graph's regions (the backward's, known once the joint graph
+    is partitioned), claimed after this graph's: the ranks compile them in this phase, and
+    the backward finds them done. ``compiled`` (by ``(is_backward, key)``) keeps what this
+    rank compiled for a later graph of the same compile. ``batch``: C++ kernels built as one
+    library per block (``CompileConfig.batch_cpp_kernels``).
     """
     steps, order, counts, work = plan_regions(gm, is_backward=is_backward)
-    compiled: dict[tuple, Callable] = {}
+    compiled = {} if compiled is None else compiled
+    todo = sorted(work.values(), key=lambda w: -w.cost)
     if share is not None:
-        # This graph's regions first (it runs next), each group largest first.
-        dealt = sorted(work.items(), key=lambda kw: -kw[1].cost)
-        dealt += sorted(((k, w) for k, w in (ahead or {}).items() if k not in work), key=lambda kw: -kw[1].cost)
-        claim, wait = share(len(dealt))
-        with _compat.batched_cpp_kernels(defer=True):  # one C++ build for all this rank claims
-            while (i := claim()) is not None:
-                key, w = dealt[i]
-                fn = w.compile()
-                if key in work:
-                    compiled[key] = fn
-        wait()
-    with _compat.batched_cpp_kernels(defer=True):  # what is left (all of it without ``share``)
-        for key, w in work.items():
-            if key not in compiled:
-                compiled[key] = w.compile()
-    program = RegionalProgram(gm.graph, steps, compiled)
+        todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
+        mine: list[str] = []
+        try:
+            with _compat.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
+                for w in todo:
+                    if (w.is_backward, w.key) not in compiled and share.claim(w.digest()):
+                        mine.append(w.digest())
+                        compiled[(w.is_backward, w.key)] = w.compile(batch=batch)
+        finally:
+            for digest in mine:  # done (or failed): no rank waits for it any longer
+                share.done(digest)
+    deadline = share.deadline() if share is not None else 0.0
+    with _compat.batched_cpp_kernels(enabled=batch, defer=True):  # the rest (all of it without ``share``)
+        for w in work.values():
+            if (w.is_backward, w.key) not in compiled:
+                if share is not None:
+                    share.wait(w.digest(), deadline)  # claimed by another rank: its result is in the cache
+                compiled[(w.is_backward, w.key)] = w.compile(batch=batch)
+    program = RegionalProgram(gm.graph, steps, {k: compiled[(is_backward, k)] for k in work})
     _compat.report_output_strides(gm)
     return program, order, counts

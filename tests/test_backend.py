@@ -34,16 +34,23 @@ def test_no_recompile_over_steps_and_no_graph_breaks():
     assert sum(dynamo_counters()["graph_break"].values()) == 0
 
 
-def test_compile_claims_hand_each_region_to_one_rank():
-    # Two ranks claiming from one store counter, one of them faster: every region is taken
-    # exactly once, in order (regions are sorted largest first), and then both get None.
-    from graphshard.backend import claims
+def test_shared_compile_claims_work_by_content_and_waits_only_for_claimed_work():
+    # Two local ranks on one store: each piece of work (named by its content) goes to the
+    # first rank that claims it; the other waits for it only until the claimer says it is
+    # done, and at most its bound, after which it compiles the work itself. Work nobody
+    # else claimed is never waited for: the claim wins at once.
+    from graphshard.backend import SharedCompile
 
     store = torch.distributed.HashStore()
-    fast, slow = claims(store, "phase0", 5), claims(store, "phase0", 5)
-    taken = [fast(), fast(), slow(), fast(), slow(), fast(), slow()]
-    assert taken == [0, 1, 2, 3, 4, None, None]
-    assert claims(store, "phase1", 1)() == 0  # a new phase counts from zero
+    first, second = SharedCompile(store, "node0/"), SharedCompile(store, "node0/", wait_s=0.2)
+    assert first.claim("region-a") and not second.claim("region-a")
+    assert second.claim("region-b") and not first.claim("region-b")
+    assert second.claim("only-on-second")  # a graph compiled by one rank only
+    assert not second.wait("region-a", second.deadline())  # claimed, not done: the bound expires
+    assert not second.wait("region-a", 0.0)  # a deadline already past returns at once
+    first.done("region-a")
+    assert second.wait("region-a", second.deadline())
+    assert SharedCompile(store, "node1/").claim("region-a")  # another machine claims apart
 
 
 def test_torch_compile_by_backend_name_on_a_prepared_model():
@@ -132,3 +139,34 @@ def test_dtensor_boundary_gives_each_parameter_its_gradient_as_a_dtensor():
     model.zero_grad()
     model(torch.randn(4, 16)).sum().backward()  # the same boundary, inside the compiled model
     check(expected_value=False)
+
+
+class _LearnedBiasAttention(torch.nn.Module):
+    """Attention whose mask is a learned bias (T5's relative position bias): a mask that
+    requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, bias=False)
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(1, 4, 8, 8))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=self.bias).sum()
+
+
+def test_attention_with_a_mask_that_requires_grad_compiles():
+    # The trace to ATen ran under no_grad, so attention picked the fused CPU kernel, which
+    # takes no gradient for its mask; aot_autograd's trace with autograd then raised. The
+    # trace now has the real call's grad facts, and the mask's parameter gets its gradient.
+    torch.manual_seed(0)
+    ref = _LearnedBiasAttention()
+    model = _LearnedBiasAttention()
+    model.load_state_dict(ref.state_dict())
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.Replicate()}), lower="eager")
+    x = torch.randn(2, 8, 16)
+    loss = model(x)
+    loss.backward()
+    torch.testing.assert_close(loss, ref(x))
+    assert model.bias.grad is not None and model.bias.grad.shape == model.bias.shape

@@ -1,15 +1,19 @@
-"""C++ kernels built together (``_compat.batched_cpp_kernels``): one library per generated
-module, one per deferred block, found again through the kernel index, and Inductor's own
-per-kernel build whenever the batch cannot take a kernel."""
+"""C++ kernels built together (``_compat.batched_cpp_kernels``, opt-in through
+``CompileConfig.batch_cpp_kernels``): one library per generated module, one per deferred
+block, found again through the kernel index, and Inductor's own per-kernel build whenever
+the batch cannot take a kernel, on any other thread, and by default."""
 
 import os
 import tempfile
+import threading
 from unittest import mock
 
 import pytest
 import torch
 from expecttest import TestCase
 
+import graphshard
+from _models import fsdp_plan, stack
 from graphshard import _compat
 
 
@@ -111,3 +115,71 @@ class KernelBatchTest(TestCase):
                       "graphshard_arg_ptr<float*>(args, 1), graphshard_arg_int64(args, 2))", text)
         with pytest.raises(ValueError, match="'bool'"):
             _compat._kernel_batch_source([(["bool"], src)])
+
+
+def _third_kernels(x):
+    return torch.log1p(torch.abs(x) * 3.0625).sum(-1) - 0.4375
+
+
+def _regions_compiled_with(record):
+    """Patches ``_compat.inductor_compile_region`` to call ``record(is_backward)`` before each region."""
+    compile_region = _compat.inductor_compile_region
+
+    def recorded(gm, inputs, *, is_backward, batch=False):
+        record(is_backward)
+        return compile_region(gm, inputs, is_backward=is_backward, batch=batch)
+
+    return mock.patch.object(_compat, "inductor_compile_region", recorded)
+
+
+def test_default_compile_patches_nothing():
+    # Without the opt-ins, graphshard's compile leaves Inductor's classes and ISA check alone.
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+
+    own = AsyncCompile.cpp_pybinding, AsyncCompile.wait
+    seen, warmups = [], []
+    with (_regions_compiled_with(lambda bw: seen.append(
+            ((AsyncCompile.cpp_pybinding, AsyncCompile.wait) == own, inductor_config.cpp.vec_isa_ok))),
+          mock.patch.object(_compat, "inductor_cpu_warmup", lambda: warmups.append(1))):
+        model = stack()
+        graphshard.compile(model, fsdp_plan(), lower="inductor")
+        model(torch.randn(4, 8)).sum().backward()
+    assert seen and set(seen) == {(True, None)}, seen
+    assert warmups == []
+
+
+def test_plain_compile_on_another_thread_gets_inductors_own_build():
+    # graphshard compiles with batching on; while its first backward region compiles (the
+    # backward compiles lazily, outside dynamo's compile lock), a plain torch.compile runs to
+    # completion on another thread. Its kernels are built by Inductor, not collected into
+    # graphshard's batch; graphshard's are.
+    added = []
+    add = _compat._KernelBatch.add
+
+    def tracked_add(self, argtypes, source):
+        added.append(threading.get_ident())
+        return add(self, argtypes, source)
+
+    other = {}
+
+    def plain_compile():
+        other["thread"] = threading.get_ident()
+        x = torch.randn(16, 40)
+        other["ok"] = torch.allclose(torch.compile(_third_kernels, backend="inductor")(x), _third_kernels(x))
+
+    def on_region(is_backward):
+        if is_backward and "thread" not in other:
+            other["hooks"] = _compat.inductor_hooks_installed()
+            t = threading.Thread(target=plain_compile)
+            t.start()
+            t.join()
+
+    with mock.patch.object(_compat._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
+        model = stack()
+        graphshard.compile(model, fsdp_plan(), lower="inductor", batch_cpp_kernels=True)
+        model(torch.randn(4, 8)).sum().backward()
+    assert other["hooks"] and other["ok"], other
+    assert added and other["thread"] not in added
+    assert threading.get_ident() in added
+    assert not _compat.inductor_hooks_installed()

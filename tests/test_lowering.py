@@ -7,7 +7,8 @@ from expecttest import TestCase
 
 import graphshard
 from _models import fsdp_plan, seeded, stack
-from graphshard.lowering import whole_graph_reason
+from graphshard import _compat
+from graphshard.lowering import is_communication, lower_regions, split_regions, whole_graph_reason
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
 
@@ -180,6 +181,24 @@ region r1(23 in, 15 out)
 region r3(8 in, 3 out)
 region r4(11 in, 8 out)""")
 
+    def test_chain_of_views_into_a_collective_is_communication(self):
+        # A shard reshaped twice before its all-gather: each view's test looked at the other
+        # (the first at its users, the second at its inputs) and recursed without end.
+        aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        flat = g.call_function(aten.view.default, (x, [-1]))
+        rows = g.call_function(aten.view.default, (flat, [2, -1]))
+        gathered = g.call_function(c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default,
+                                                                              (rows, 4, "0")),))
+        y = g.call_function(aten.relu.default, (gathered,))
+        g.output((y,))
+        self.assertEqual([is_communication(n) for n in (flat, rows, y)], [True, True, False])
+        steps = split_regions(g)
+        self.assertEqual([s.nodes if not isinstance(s, torch.fx.Node) else s for s in steps][:4],
+                         [flat, rows, gathered.args[0], gathered])
+        self.assertEqual(steps[4].nodes, [y])
+
     def test_symbolic_shapes_lower_whole(self):
         # A region could use a size symbol that only another region's inputs bind.
         from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -193,3 +212,69 @@ region r4(11 in, 8 out)""")
         self.assertIsNone(whole_graph_reason(gm))
         x.meta["val"] = ShapeEnv().create_unbacked_symint()
         self.assertEqual(whole_graph_reason(gm), "input x has symbolic sizes")
+
+
+class _Step(torch.autograd.Function):
+    """Identity forward; the backward passes the gradient through ``graphshard::pack`` (a
+    local copy that regional lowering treats as a communication step, as it does the
+    pack before a reduce-scatter), so the backward is several regions."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.ops.graphshard.pack([g], [g.numel()], g.dtype).view(g.shape)
+
+
+def _three_regions(x, w):
+    h = torch.tanh(x * w)
+    a = _Step.apply(h)
+    b = torch.sigmoid(a) * a
+    c = _Step.apply(b)
+    return (_Step.apply(torch.exp(c) * h).sum(),)
+
+
+class TestRegionFacts(TestCase):
+    def test_backward_regions_do_not_overwrite_their_inputs(self):
+        # aot_autograd compiles the backward inside a context that lists the whole graph's
+        # donated buffers (the saved activations: placeholders 2.. here). A region compiled
+        # in that context took those positions for its own inputs, and Inductor wrote its
+        # outputs into four of them; among them the saved tanh, which the last region reads
+        # again (through the alias saved for tanh's own backward). Gradients were off by ~20.
+        # Each region is compiled with its own facts: no input of a region is written, and
+        # the gradients are eager's.
+        writes = []
+
+        def backward_compiler(gm, inputs):
+            program, _, counts = lower_regions(gm, is_backward=True)
+            assert counts["compiled"] == 3, counts
+            steps = []
+            for i, step in enumerate(program.program):
+                if step[0] == "region":
+                    kind, fn, ins, outs, dying = step
+
+                    def checked(boxed, fn=fn, i=i):
+                        before = [(t, t.clone()) for t in boxed]
+                        out = fn(boxed)
+                        writes.extend((i, j) for j, (t, c) in enumerate(before) if not torch.equal(t, c))
+                        return out
+
+                    step = (kind, checked, ins, outs, dying)
+                steps.append(step)
+            program.program = steps
+            return program
+
+        def backend(gm, inputs):
+            return _compat.aot_module_simplified(gm, inputs, fw_compiler=_compat.boxed_nop, bw_compiler=backward_compiler,
+                                                 decompositions=_compat.inductor_decompositions())
+
+        torch.manual_seed(0)
+        x, w = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+        torch.compile(_three_regions, backend=backend)(x, w)[0].backward()
+        got = x.grad, w.grad
+        x.grad = w.grad = None
+        _three_regions(x, w)[0].backward()
+        self.assertEqual(writes, [])
+        torch.testing.assert_close(got, (x.grad, w.grad))

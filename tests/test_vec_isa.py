@@ -1,6 +1,7 @@
-"""The vector-ISA check before the first C++ kernel (``_compat.inductor_cpu_settings``):
-graphshard checks only the ISA Inductor will pick, starts that check when the joint graph is
-partitioned, and compiles CPU code with Inductor told the check is done."""
+"""The vector-ISA check before the first C++ kernel (``_compat.inductor_cpu_settings``, opt-in
+through ``CompileConfig.fast_isa_check``): graphshard checks only the ISA Inductor will pick,
+starts that check when the joint graph is partitioned, and compiles CPU code with Inductor
+told the check is done. By default it does none of this (``test_kernel_batch.py``)."""
 
 import os
 import platform
@@ -75,7 +76,7 @@ def test_cpu_compile_starts_the_check_and_compiles_with_it():
           mock.patch.object(_compat, "inductor_partition_fn", record_partition),
           mock.patch.object(_compat, "inductor_compile_region", record_region)):
         model = stack()
-        graphshard.compile(model, fsdp_plan(), lower="inductor")
+        graphshard.compile(model, fsdp_plan(), lower="inductor", fast_isa_check=True)
         model(torch.randn(4, 8)).sum().backward()
     # Started at the partition, before the first region compiles; every region compiles
     # with the check's outcome.

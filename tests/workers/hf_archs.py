@@ -73,7 +73,8 @@ ARCHS: dict[str, Arch] = {
     "bert": Arch("bert", task="masked_lm"),
     "roberta": Arch("roberta", task="masked_lm", overrides=dict(max_position_embeddings=66)),
     "t5": Arch("t5", task="seq2seq", overrides=dict(d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                                    num_decoder_layers=2, num_heads=4)),
+                                                    num_decoder_layers=2, num_heads=4,
+                                                    decoder_start_token_id=0)),  # T5's own value; no default in transformers 5
     # problem_type: HF's classification loss sets it on its first call, a config change that makes
     # any torch.compile recompile once; set as it would be, so the first step's graph is the last.
     "vit": Arch("vit", task="image", overrides=dict(image_size=16, patch_size=4, num_channels=3,

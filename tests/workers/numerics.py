@@ -3,8 +3,11 @@
 Each CASE is ``model:strategy:lower[:flag ...]`` (e.g. ``transformer:full_shard:inductor``);
 flag ``dynamic`` varies the per-rank batch size from step to step (2, 1, 3, ...), which makes
 dynamo recompile with a symbolic batch dim; ``nccl_forms`` builds the plan with
-``collectives="nccl"``, so gloo runs the collectives a NCCL run issues.
-``lower`` is ``inductor`` or ``eager`` (graphshard.compile), ``backend`` (graphshard.shard,
+``collectives="nccl"``, so gloo runs the collectives a NCCL run issues; ``rank1_shape`` gives
+rank 1 alone 3 samples instead of 2 at step 2 (with static shapes), so rank 1 alone compiles a
+second graph; the reference then averages the ranks' mean losses.
+``lower`` is ``inductor`` or ``eager`` (graphshard.compile), ``whole`` (Inductor on each
+whole graph, ``regional=False``), ``backend`` (graphshard.shard,
 then ``torch.compile(model, backend="graphshard")`` by name) or ``uncompiled``
 (graphshard.shard only: the eager debugging path).
 For each, every rank trains the sharded model for 5 steps of SGD with momentum
@@ -38,6 +41,8 @@ def build(model_name: str):
         return Transformer(SMALL)
     if model_name == "shared":
         return SharedBlockMLP()
+    if model_name == "mlp16":  # every shard 16-byte aligned in its unit's buffer (whole-graph lowering needs it)
+        return MLP(16, 32, 8)
     return MLP(10, 30, 7)
 
 
@@ -45,7 +50,8 @@ def batch(model_name: str, step: int, n: int):
     if model_name == "transformer":
         return token_batch(step, n, SMALL.max_seq_len, SMALL.vocab_size, seed=1)
     g = torch.Generator().manual_seed(step + 11)
-    return torch.randn(n, 10, generator=g), torch.randn(n, 7, generator=g)
+    d_in, d_out = (16, 8) if model_name == "mlp16" else (10, 7)
+    return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
 
 
 def loss_fn(model_name: str, out, y):
@@ -71,30 +77,23 @@ def plan_for(strategy: str, world: int):
     return graphshard.Plan(mesh, {"layers.*": spec, "": spec}), world
 
 
-def compile_barrier(case: str) -> dict:
-    """The barrier between shared region compiles runs inside the compile's fake mode. Rank 0
-    arrives a second late; every other rank must wait for it there."""
-    import time
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from graphshard.backend import _barrier
-
-    if dist.get_rank() == 0:
-        time.sleep(1.0)
-    start = time.perf_counter()
-    with FakeTensorMode():
-        _barrier()
-    waits = [None] * dist.get_world_size()
-    dist.all_gather_object(waits, time.perf_counter() - start)
-    return {"case": case, "waits": waits}
+def per_rank_sizes(flags: list[str], step: int, world: int) -> list[int]:
+    if "dynamic" in flags:
+        return [(2, 1, 3)[step % 3]] * world
+    if "rank1_shape" in flags and step == 2 and world > 1:
+        return [2, 3] + [2] * (world - 2)
+    return [2] * world
 
 
 def run_case(case: str) -> dict:
-    if case == "compile_barrier":
-        return compile_barrier(case)
     model_name, strategy, lower, *flags = case.split(":")
-    dynamic = "dynamic" in flags
+    if "rank1_shape" in flags:  # the recompile on rank 1 keeps static shapes
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            return _run_case(case, model_name, strategy, lower, flags)
+    return _run_case(case, model_name, strategy, lower, flags)
+
+
+def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list[str]) -> dict:
     from graphshard._compat import dynamo_counters
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -109,6 +108,8 @@ def run_case(case: str) -> dict:
     plan = graphshard.Plan(plan.mesh, rules, collectives="nccl" if "nccl_forms" in flags else "auto")
     if lower in ("inductor", "eager"):
         graphshard.compile(model, plan, lower=lower)
+    elif lower == "whole":
+        graphshard.compile(model, plan, lower="inductor", regional=False)
     else:
         graphshard.shard(model, plan)
         if lower == "backend":
@@ -118,15 +119,20 @@ def run_case(case: str) -> dict:
     dp_rank = rank if dp_world > 1 else 0
     loss_err = 0.0
     for step in range(STEPS):
-        per_rank = (2, 1, 3)[step % 3] if dynamic else 2
-        x, y = batch(model_name, step, per_rank * dp_world)
-        sl = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        sizes = per_rank_sizes(flags, step, dp_world)
+        x, y = batch(model_name, step, sum(sizes))
+        start = sum(sizes[:dp_rank])
+        sl = slice(start, start + sizes[dp_rank])
         with (_op_log() if step == STEPS - 1 else contextlib.nullcontext(set())) as log:
             loss = loss_fn(model_name, model(x[sl]), y[sl])
             loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = loss_fn(model_name, ref(x), y)
+        if len(set(sizes)) == 1:
+            ref_loss = loss_fn(model_name, ref(x), y)
+        else:  # ranks of unequal batches: gradients average the ranks' mean losses
+            bounds = [sum(sizes[:r]) for r in range(dp_world + 1)]
+            ref_loss = sum(loss_fn(model_name, ref(x[a:b]), y[a:b]) for a, b in zip(bounds, bounds[1:])) / dp_world
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
@@ -142,11 +148,13 @@ def run_case(case: str) -> dict:
         param_err = max(param_err, (full - ref_params[name]).abs().max().item())
         names.append(name)
     counters = dynamo_counters()
+    frames = [None] * world
+    dist.all_gather_object(frames, int(counters["stats"]["unique_graphs"]))
     return {
         "case": case, "loss_err": loss_err, "param_err": param_err, "params": names,
         "ref_names": list(ref_params), "state_dict": list(getattr(model, "_orig_mod", model).state_dict()),
         "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
-        "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log),
+        "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log), "frames_per_rank": frames,
     }
 
 
