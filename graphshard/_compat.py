@@ -75,21 +75,15 @@ _REGION_CACHE_TAG = "graphshard-region-own-facts-1"
 def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_backward: bool,
                             batch: bool = False) -> Callable:
     """Inductor's compiler for one region of a forward or backward graph, with the region's own
-    facts, not the whole graph's.
-
-    aot_autograd calls graphshard's compiler inside a ``TracingContext`` that describes the
-    whole graph: which of its inputs Inductor may overwrite (``bw_donated_idxs``, positions
-    in the whole backward's inputs), its static inputs, the list its output strides are
-    reported in. Inductor reads all of these from the ambient context, so a region compiled
-    there applied the whole graph's donated positions to its own inputs and wrote its
-    outputs into buffers that later regions still read. Each region is therefore compiled
-    in a context of its own that shares only the fake mode (and so the shape environment):
-    no donated inputs, no static inputs, no output strides reported to aot_autograd
-    (``report_output_strides`` reports the whole graph's). Every region output is read by
-    other compiled code that assumes its traced strides, so all of them are user-visible
-    outputs (Inductor keeps their strides, as it does for ``invoke_subgraph`` bodies). The
-    FX graph cache key does not cover donation, so a tag in it keeps regions apart from any
-    entry compiled otherwise (``_REGION_CACHE_TAG``)."""
+    facts. aot_autograd's ``TracingContext`` describes the whole graph (``bw_donated_idxs``:
+    positions in the whole backward's inputs Inductor may overwrite; static inputs; the list
+    output strides are reported in), and Inductor reads it from the ambient context: a region
+    compiled there overwrote its own inputs at those positions, buffers later regions read.
+    So a region compiles in a context of its own that shares only the fake mode: nothing
+    donated, nothing reported (``report_output_strides`` reports the whole graph's). All its
+    outputs are user-visible (other compiled code reads them with their traced strides), and
+    ``_REGION_CACHE_TAG`` keeps its FX graph cache entries apart, since the cache key does
+    not cover donation. See docs/design.md, "A region is compiled with its own facts"."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch.compiler import config as compiler_config

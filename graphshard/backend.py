@@ -183,9 +183,15 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
     dynamo compiles for and inputs that require grad as the real ones do. Composite ops pick
     their kernels by these facts (attention picks a fused kernel only for a mask that needs
     no gradient), and aot_autograd traces the result again with autograd on: a kernel chosen
-    as if nothing needed a gradient then has no derivative for what does."""
+    as if nothing needed a gradient then has no derivative for what does. Autograd, recording
+    as it goes, detaches the outputs some ops save for their backward (``_softmax``); those
+    detaches have no reader and are dropped (aot_autograd records its own)."""
     with fake_mode:
         traced = _compat.make_fx(fx.Interpreter(gm).run, tracing_mode="real")(*fake_inputs)
+    for node in reversed(traced.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
+            traced.graph.erase_node(node)
+    traced.recompile()
     return traced
 
 
