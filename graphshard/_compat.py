@@ -208,6 +208,15 @@ def _picked_isa():
     return picked if picked is candidates[0] else None
 
 
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """Suspends the active FakeTensorMode, if any: a c10d call made while one is active (a
+    backend compiler runs under aot_autograd's) would be faked and return at once without
+    communicating."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def default_store():
     """The default process group's key-value store (shared by every rank of the job)."""
     from torch.distributed.distributed_c10d import _get_default_store
