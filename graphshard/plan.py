@@ -45,6 +45,13 @@ class FullyShard:
     """Dtype gradients are reduced in (default: ``param_dtype``, else the parameter's)."""
     shard_axis: str | None = None
     """Mesh axis to shard over; default the last data-parallel axis of the mesh."""
+    flat_params: bool = False
+    """Store this rank's shards of the unit's parameters as one flat 1-D parameter,
+    ``_flat_param`` on the unit's module (FSDP1's ``use_orig_params=False``): the original
+    parameters are no longer registered, so ``named_parameters()`` and the optimizer see one
+    tensor per unit (a few large tensors: the fast optimizer path). Each original parameter
+    stays readable as a module attribute: a view of the flat parameter (a DTensor outside
+    forward). Needs one dtype and one ``requires_grad`` across the unit's parameters."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +62,8 @@ class Replicate:
     """Dtype the parameters are computed in."""
     reduce_dtype: torch.dtype | None = None
     """Dtype gradients are reduced in."""
+    flat_params: bool = False
+    """One flat 1-D parameter per unit, as `FullyShard`'s ``flat_params`` (here unsharded)."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from graphshard import _compat
 from graphshard.ops import local_chunk, ops
-from graphshard.params import AxisGroup, ParamInfo, register
+from graphshard.params import AxisGroup, ParamInfo, lookup, register
 from graphshard.plan import FullyShard, Plan, StridedShard, resolve
 from graphshard.styles import ModuleIO, layout_steps, placement_str
 
@@ -41,12 +41,45 @@ class ShardedState:
     infos: dict[str, ParamInfo]                       # by key
     units: dict[str, list[str]]                       # unit FQN -> parameter keys, in registration order
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
+    flat: dict[str, "FlatUnit"] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
 
     def info_for_fqn(self, fqn: str) -> ParamInfo:
         for info in self.infos.values():
             if fqn in info.layout.fqns:
                 return info
         raise KeyError(fqn)
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Where one parameter's local shard lies in its unit's flat parameter."""
+
+    key: str
+    offset: int                   # first element in the flat parameter
+    shape: tuple[int, ...]        # the local shard's shape
+    numel: int                    # its elements
+    padded: int                   # elements reserved: the shard padded to its chunk (what the gather packs)
+    logical_shape: tuple[int, ...]
+
+
+@dataclass
+class FlatUnit:
+    """A unit whose parameters live in one flat 1-D parameter ``module._flat_param``."""
+
+    module: nn.Module
+    slots: list[FlatSlot]
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.module._parameters[FLAT_PARAM]
+
+    def local(self, slot: FlatSlot) -> torch.Tensor:
+        """The local shard of ``slot``'s parameter: a view of the flat parameter."""
+        return self.module._flat_param.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+
+FLAT_PARAM = "_flat_param"
+"""The attribute name of a unit's flat parameter (FSDP1's)."""
 
 
 def state_of(model: nn.Module) -> ShardedState | None:
@@ -140,22 +173,63 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
             dt = _distribute(p.detach().to(device), info, plan)
         replacements[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
 
+    modules = dict(model.named_modules())
+    flat = {unit: _flatten(modules[unit], [infos[k] for k in keys], replacements, key_of)
+            for unit, keys in units.items() if getattr(infos[keys[0]].layout.unit_spec, "flat_params", False)}
+    slot_of = {slot.key: (fu, slot) for fu in flat.values() for slot in fu.slots}
     tp_axis = plan.tp_axis
     for mod in model.modules():  # modules() deduplicates shared modules
-        names = {}
+        names, flat_names = {}, {}
         for pname, p in list(mod._parameters.items()):
             if p is not None and id(p) in replacements:
-                mod._parameters[pname] = replacements[id(p)]
                 names[pname] = key_of[id(p)]
+                if names[pname] in slot_of:
+                    del mod._parameters[pname]
+                    flat_names[pname] = slot_of[names[pname]]
+                else:
+                    mod._parameters[pname] = replacements[id(p)]
+        if flat_names:
+            mod._graphshard_flat = {**getattr(mod, "_graphshard_flat", {}), **flat_names}
         io = resolution.io.get(id(mod))
         bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
         if names or bound is not None or mod is model:
             _install(mod, keys=names, io=bound, root=mod is model)
-    state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units)
+    state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units, flat=flat)
     register(list(infos.values()), model)
     model._graphshard = state
     _STATES[model_id] = state
     return model
+
+
+def _flatten(module: nn.Module, infos: list[ParamInfo], replacements: dict[int, nn.Parameter],
+             key_of: dict[int, str]) -> FlatUnit:
+    """One flat 1-D parameter holding this rank's shards of a unit's parameters, each padded to
+    its chunk (the layout a unit's gather packs, so the shards go to the collective as they are)."""
+    unit = infos[0].layout.unit
+    by_key = {key_of[pid]: p for pid, p in replacements.items()}
+    params = [by_key[info.key] for info in infos]
+    for what, values in (("dtype", [p.dtype for p in params]), ("requires_grad", [p.requires_grad for p in params])):
+        if len(set(values)) > 1:
+            mixed = ", ".join(f"{info.fqn} ({v})" for info, v in zip(infos, values))
+            raise ValueError(
+                f"unit {unit or '<root>'!r} has parameters with different {what} ({mixed}); a flat parameter "
+                f"needs one {what}: keep the original parameters (use_orig_params=True / flat_params=False) "
+                "or put these parameters in separate units"
+            )
+    if FLAT_PARAM in module._parameters:
+        raise ValueError(f"module {unit or '<root>'!r} already has a parameter named {FLAT_PARAM!r}")
+    slots, offset = [], 0
+    for info, p in zip(infos, params):
+        local = p._local_tensor
+        padded = info.chunk_rows * info.row_numel if info.shard is not None else local.numel()
+        slots.append(FlatSlot(info.key, offset, tuple(local.shape), local.numel(), padded, info.logical_shape))
+        offset += padded
+    data = torch.zeros(offset, dtype=params[0].dtype, device=params[0]._local_tensor.device)
+    for slot, p in zip(slots, params):
+        data.narrow(0, slot.offset, p._local_tensor.numel()).copy_(p._local_tensor.reshape(-1))
+    fu = FlatUnit(module, slots)
+    module._parameters[FLAT_PARAM] = nn.Parameter(data, requires_grad=params[0].requires_grad)
+    return fu
 
 
 def _distribute(p: torch.Tensor, info: ParamInfo, plan: Plan) -> DTensor:
@@ -230,10 +304,11 @@ def _install(mod: nn.Module, *, keys: dict[str, str], io: _BoundIO | None, root:
     if root:
         mod._graphshard_root = True
     wraps_forward = "_graphshard_io" in mod.__dict__ or "_graphshard_root" in mod.__dict__
-    cache_key = (base, frozenset(keys), wraps_forward)
+    flat = frozenset(mod.__dict__.get("_graphshard_flat", ()))
+    cache_key = (base, frozenset(keys), flat, wraps_forward)
     sub = _subclass_cache.get(cache_key)
     if sub is None:
-        attrs = {name: property(_marker_getter(name)) for name in keys}
+        attrs = {name: property(_flat_getter(name) if name in flat else _marker_getter(name)) for name in keys}
         if wraps_forward:
             attrs["forward"] = _wrapped_forward(base)
         sub = type(base.__name__, (base,), {**attrs, "_graphshard_base": base, "__module__": base.__module__})
@@ -270,6 +345,36 @@ def _marker_getter(name: str):
 
     get.__name__ = name
     return get
+
+
+def _flat_getter(name: str):
+    def get(self):
+        unit, slot = self._graphshard_flat[name]
+        local = unit.local(slot)
+        if torch.compiler.is_compiling() or _forward.depth > 0:
+            return ops.param(local, slot.key, slot.logical_shape)
+        return _flat_dtensor(local, slot)
+
+    get.__name__ = name
+    return get
+
+
+def _flat_dtensor(local: torch.Tensor, slot: FlatSlot) -> DTensor:
+    """Outside forward: this rank's shard of a flat unit's parameter as a DTensor (a view of the flat parameter)."""
+    info = lookup(slot.key)
+    return DTensor.from_local(local, info.mesh, _stored_placements(info), run_check=False,
+                              shape=torch.Size(info.logical_shape),
+                              stride=torch.empty(info.logical_shape, device="meta").stride())
+
+
+def _stored_placements(info: ParamInfo) -> list:
+    """The DTensor placements ``_distribute`` stores ``info``'s parameter with."""
+    placements = [_compat.strided_shard(pl.dim, pl.split_factor) if isinstance(pl, StridedShard) else pl
+                  for pl in info.layout.placements]
+    if info.shard is not None and any(pl == Shard(0) for _, pl in info.model_parallel):
+        mp_world = math.prod(axis.world for axis, pl in info.model_parallel if pl == Shard(0))
+        placements[info.mesh.mesh_dim_names.index(info.shard.name)] = _compat.strided_shard(0, mp_world)
+    return placements
 
 
 class _ForwardDepth(threading.local):

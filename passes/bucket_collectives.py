@@ -68,6 +68,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _record(ctx, unit, infos)
         if len(nodes) == 1 and len(keys) == len(nodes[0].args[1]):
             continue
+        _hoist_before(g, shards, nodes[0])
         with g.inserting_before(nodes[0]):
             merged = g.call_function(ops.unshard.default, (shards, keys))
         merged.meta["val"] = vals
@@ -83,3 +84,20 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for un in nodes:
             g.erase_node(un)
     return gm
+
+
+def _hoist_before(g: fx.Graph, values: list[fx.Node], anchor: fx.Node) -> None:
+    """Moves the nodes that compute ``values`` (a flat parameter's views: ``slice`` and
+    ``reshape`` of a graph input) from after ``anchor`` to just before it, in graph order."""
+    position = {n: i for i, n in enumerate(g.nodes)}
+    late: set[fx.Node] = set()
+    stack = [v for v in values if position[v] > position[anchor]]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        assert n.op == "call_function", f"{n.name} feeds a unit's gather but is computed after it"
+        late.add(n)
+        stack.extend(a for a in n.all_input_nodes if position[a] > position[anchor])
+    for n in sorted(late, key=position.__getitem__):
+        anchor.prepend(n)

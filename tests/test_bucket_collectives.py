@@ -141,3 +141,38 @@ class TestCoalescedInputs(TestCase):
         fa, fb = _coalesced_inputs([a, b], [9, 4], torch.bfloat16)
         torch.testing.assert_close(fa, torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0], dtype=torch.bfloat16), rtol=0, atol=0)
         torch.testing.assert_close(fb, b.to(torch.bfloat16), rtol=0, atol=0)
+
+
+class TestFlatParams(TestCase):
+    def test_a_flat_units_views_move_before_its_one_gather(self):
+        """FullyShard(flat_params=True): the parameters are views of one flat input, read where the
+        model reads them; the unit's single unshard needs them all first, so they move up to it."""
+        import graphshard
+        from _models import mesh1d, mlp
+
+        plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(flat_params=True)})
+        text = graph_after(mlp(), plan, (torch.randn(2, 16),), "bucket_collectives")
+        self.assertEqual(text.count("graphshard.unshard.default("), 1)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[202]", arg1_1: "f32[2, 16]"):
+        slice_1: "f32[128]" = torch.ops.aten.slice.Tensor(arg0_1, 0, 0, 128)
+        view: "f32[8, 16]" = torch.ops.aten.reshape.default(slice_1, [8, 16]);  slice_1 = None
+        slice_2: "f32[8]" = torch.ops.aten.slice.Tensor(arg0_1, 0, 128, 136)
+        view_1: "f32[8]" = torch.ops.aten.reshape.default(slice_2, [8]);  slice_2 = None
+        slice_3: "f32[64]" = torch.ops.aten.slice.Tensor(arg0_1, 0, 136, 200)
+        view_2: "f32[2, 32]" = torch.ops.aten.reshape.default(slice_3, [2, 32]);  slice_3 = None
+        slice_4: "f32[2]" = torch.ops.aten.slice.Tensor(arg0_1, 0, 200, 202);  arg0_1 = None
+        view_3: "f32[2]" = torch.ops.aten.reshape.default(slice_4, [2]);  slice_4 = None
+        unshard_default_4 = torch.ops.graphshard.unshard.default([view, view_1, view_2, view_3], ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']);  view = view_1 = view_2 = view_3 = None
+        getitem_7: "f32[8]" = unshard_default_4[3]
+        getitem_6: "f32[8, 32]" = unshard_default_4[2]
+        getitem_5: "f32[32]" = unshard_default_4[1]
+        getitem_4: "f32[32, 16]" = unshard_default_4[0];  unshard_default_4 = None
+        t: "f32[16, 32]" = torch.ops.aten.t.default(getitem_4);  getitem_4 = None
+        addmm: "f32[2, 32]" = torch.ops.aten.addmm.default(getitem_5, arg1_1, t);  getitem_5 = arg1_1 = t = None
+        gelu: "f32[2, 32]" = torch.ops.aten.gelu.default(addmm);  addmm = None
+        t_1: "f32[32, 8]" = torch.ops.aten.t.default(getitem_6);  getitem_6 = None
+        addmm_1: "f32[2, 8]" = torch.ops.aten.addmm.default(getitem_7, gelu, t_1);  getitem_7 = gelu = t_1 = None
+        return (addmm_1,)
+""")

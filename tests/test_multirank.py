@@ -30,6 +30,8 @@ TWO_RANK = [
     "mlp:tp:eager:dynamic",
     "transformer:full_shard:inductor:nccl_forms",
     "transformer:shard_grad_op:eager:nccl_forms",
+    "transformer:full_shard:inductor:flat",
+    "shared:full_shard:eager:flat",
 ]
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
 # Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
@@ -115,6 +117,14 @@ def test_fqns_are_the_users(two_rank_results):
     assert r["params"] == r["ref_names"]
     assert r["state_dict"] == r["ref_state_dict"]
     assert "output.weight" in r["state_dict"]  # the tied weight keeps both names
+
+
+def test_flat_params_are_what_the_optimizer_steps(two_rank_results):
+    """FullyShard(flat_params=True): one ``_flat_param`` per unit is every parameter the model
+    registers (the optimizer steps those), and the numbers match the single process."""
+    assert two_rank_results["transformer:full_shard:inductor:flat"]["named_parameters"] == [
+        "_flat_param", "layers.0._flat_param", "layers.1._flat_param"]
+    assert two_rank_results["shared:full_shard:eager:flat"]["named_parameters"] == ["_flat_param", "first._flat_param"]
 
 
 def test_shared_module_keeps_both_fqns(two_rank_results):

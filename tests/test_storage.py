@@ -1,5 +1,6 @@
 """Sharded storage: DTensor parameters under the user's FQNs, shared objects sharded once."""
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -79,3 +80,33 @@ def test_axis_records_the_backend_that_runs_it():
     assert backend_on("gloo", "cpu") == "gloo"
     assert backend_on("cpu:gloo,cuda:nccl", "cuda") == "nccl"
     assert backend_on("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+
+
+def test_flat_params_replace_a_units_parameters_by_one_flat_shard():
+    """FullyShard(flat_params=True) (FSDP1's use_orig_params=False): named_parameters() yields one
+    1-D ``_flat_param`` per unit holding this rank's shards, each padded to its chunk; every
+    original parameter is still an attribute: a DTensor viewing the flat parameter."""
+    model = tiny_transformer()
+    graphshard.shard(model, fsdp_plan(flat_params=True))
+    flat = dict(model.named_parameters())
+    assert list(flat) == ["_flat_param", "layers.0._flat_param"]
+    layer = model.layers[0]
+    infos = [model._graphshard.info_for_fqn(f"layers.0.{n}") for n in ("attn_norm.weight", "attn.wq.weight", "ffn.w1.weight")]
+    assert flat["layers.0._flat_param"].dim() == 1
+    assert flat["layers.0._flat_param"].numel() == sum(i.chunk_rows * i.row_numel for i in model._graphshard.infos.values()
+                                                        if i.layout.unit == "layers.0")
+    wq = layer.attn.wq.weight
+    assert isinstance(wq, DTensor) and wq.placements == (Shard(0),) and wq.shape == infos[1].logical_shape
+    assert wq.to_local().untyped_storage().data_ptr() == flat["layers.0._flat_param"].untyped_storage().data_ptr()
+    with torch.no_grad():
+        flat["layers.0._flat_param"].fill_(2.0)
+    assert bool((layer.attn.wq.weight.to_local() == 2.0).all())
+    assert "weight" not in layer.attn.wq._parameters
+
+
+def test_flat_params_need_one_requires_grad_per_unit():
+    model = mlp()
+    model.fc1.bias.requires_grad_(False)
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(flat_params=True)})
+    with pytest.raises(ValueError, match=r"different requires_grad .*fc1.bias \(False\).*use_orig_params=True"):
+        graphshard.shard(model, plan)

@@ -19,6 +19,7 @@ the whole global batch. Rank 0 prints one JSON line per case.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import sys
 
@@ -105,6 +106,8 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
     rules = {k: v for k, v in plan.rules.items() if model_name == "transformer" or k in ("", "fc1", "fc2")}
     if model_name == "shared":
         rules = {"first": rules[""], "": rules[""]}
+    if "flat" in flags:  # FSDP1's flat parameters (use_orig_params=False): one 1-D parameter per unit
+        rules = {k: dataclasses.replace(v, flat_params=True) for k, v in rules.items()}
     plan = graphshard.Plan(plan.mesh, rules, collectives="nccl" if "nccl_forms" in flags else "auto")
     if lower in ("inductor", "eager"):
         graphshard.compile(model, plan, lower=lower)
@@ -142,7 +145,10 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         loss_err = max(loss_err, abs(mean.item() - ref_loss.item()))
     param_err, names = 0.0, []
     ref_params = dict(ref.named_parameters())
-    for name, p in getattr(model, "_orig_mod", model).named_parameters():
+    sharded = getattr(model, "_orig_mod", model)
+    for name in ref_params:
+        owner, _, attr = name.rpartition(".")
+        p = getattr(sharded.get_submodule(owner), attr)  # a view of the flat parameter under "flat"
         assert isinstance(p, DTensor), f"{name} is not a DTensor"
         full = p.full_tensor()
         param_err = max(param_err, (full - ref_params[name]).abs().max().item())
@@ -152,6 +158,7 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
     dist.all_gather_object(frames, int(counters["stats"]["unique_graphs"]))
     return {
         "case": case, "loss_err": loss_err, "param_err": param_err, "params": names,
+        "named_parameters": [n for n, _ in sharded.named_parameters()],
         "ref_names": list(ref_params), "state_dict": list(getattr(model, "_orig_mod", model).state_dict()),
         "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
         "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log), "frames_per_rank": frames,
