@@ -251,6 +251,18 @@ def strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def in_autograd_backward() -> bool:
+    """Whether this thread is running an autograd backward pass."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]):
+    """``nn.Module.load_state_dict``'s result type, with these key lists."""
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    return _IncompatibleKeys(missing, unexpected)
+
+
 def current_mesh():
     """The DeviceMesh of the enclosing ``with mesh:`` block (as torch's parallelize_module reads it)."""
     from torch.distributed.device_mesh import _mesh_resources

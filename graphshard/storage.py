@@ -82,6 +82,19 @@ FLAT_PARAM = "_flat_param"
 """The attribute name of a unit's flat parameter (FSDP1's)."""
 
 
+def stored_local(model: nn.Module, info: ParamInfo) -> torch.Tensor:
+    """The tensor that holds this rank's shard of ``info``'s parameter in ``model`` (the sharded
+    root): the DTensor parameter's local tensor, or its view of the unit's flat parameter.
+    Writing into it changes the model."""
+    owner, _, name = info.layout.fqns[0].rpartition(".")
+    mod = model.get_submodule(owner)
+    flat = mod.__dict__.get("_graphshard_flat", {})
+    if name in flat:
+        unit, slot = flat[name]
+        return unit.local(slot)
+    return mod._parameters[name]._local_tensor
+
+
 def state_of(model: nn.Module) -> ShardedState | None:
     return getattr(model, "_graphshard", None)
 
@@ -375,6 +388,18 @@ def _stored_placements(info: ParamInfo) -> list:
         mp_world = math.prod(axis.world for axis, pl in info.model_parallel if pl == Shard(0))
         placements[info.mesh.mesh_dim_names.index(info.shard.name)] = _compat.strided_shard(0, mp_world)
     return placements
+
+
+def in_forward() -> bool:
+    """Whether a sharded model's forward is running (eagerly) on this thread."""
+    return _forward.depth > 0
+
+
+def sharded_value(model: nn.Module, info: ParamInfo) -> DTensor:
+    """This rank's shard of ``info``'s parameter as a DTensor over the plan's mesh (sharing storage)."""
+    return DTensor.from_local(stored_local(model, info), info.mesh, _stored_placements(info), run_check=False,
+                              shape=torch.Size(info.logical_shape),
+                              stride=torch.empty(info.logical_shape, device="meta").stride())
 
 
 class _ForwardDepth(threading.local):

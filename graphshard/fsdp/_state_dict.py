@@ -1,0 +1,203 @@
+"""FSDP1's state-dict types over graphshard's storage.
+
+- FULL_STATE_DICT: every parameter gathered to its full shape under the user's FQN (no
+  ``_fsdp_wrapped_module.``), buffers in their original dtype; ``rank0_only`` gives the other
+  ranks an empty dict, as torch does; ``offload_to_cpu`` moves the values to the CPU.
+- SHARDED_STATE_DICT: the user's FQNs, each parameter this rank's shard as a DTensor over the
+  FSDP mesh (``Shard(0)``; hybrid: ``(Replicate(), Shard(0))``), which
+  ``torch.distributed.checkpoint`` saves and loads into any world size.
+- LOCAL_STATE_DICT: the flat shards under torch's names (``..._flat_param``) with
+  ``use_orig_params=False``; the per-parameter local shards under the wrapped names otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from torch.distributed.tensor import DTensor
+
+from graphshard import _compat
+from graphshard.ops import _gather_logical
+from graphshard.storage import FLAT_PARAM, sharded_value, stored_local
+
+_CONFIGS = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+class StateDictMixin:
+    """``state_dict_type`` and the state-dict methods of graphshard's FullyShardedDataParallel."""
+
+    # ------------------------------------------------------------------ type selection
+    @staticmethod
+    def set_state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                            optim_state_dict_config=None) -> StateDictSettings:
+        """Sets the state-dict type of every FSDP instance under ``module``; returns the previous settings."""
+        if not isinstance(state_dict_type, StateDictType):
+            raise ValueError(f"state_dict_type={state_dict_type!r}: expected a torch.distributed.fsdp.StateDictType")
+        model_cls, optim_cls = _CONFIGS[state_dict_type]
+        for what, cfg, cls in (("state_dict_config", state_dict_config, model_cls),
+                               ("optim_state_dict_config", optim_state_dict_config, optim_cls)):
+            if cfg is not None and type(cfg) is not cls:
+                raise ValueError(
+                    f"{what} is a {type(cfg).__name__}, but {state_dict_type.name} takes a {cls.__name__}; "
+                    f"pass {cls.__name__}(...) or None"
+                )
+        from graphshard.fsdp._wrapper import FullyShardedDataParallel
+
+        instances = FullyShardedDataParallel.fsdp_modules(module)
+        if not instances:
+            raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
+        prev = FullyShardedDataParallel.get_state_dict_type(module)
+        settings = StateDictSettings(state_dict_type, state_dict_config or model_cls(),
+                                     optim_state_dict_config or optim_cls())
+        for inst in instances:
+            inst._root.__dict__["_sd_settings"] = settings
+        return prev
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """The state-dict settings of the FSDP instances under ``module`` (one for all of them)."""
+        from graphshard.fsdp._wrapper import FullyShardedDataParallel
+
+        roots = {id(m._root): m._root for m in FullyShardedDataParallel.fsdp_modules(module)}
+        if not roots:
+            raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
+        settings = [r.__dict__.get("_sd_settings") or _default_settings() for r in roots.values()]
+        if any(s != settings[0] for s in settings[1:]):
+            raise ValueError("the FSDP instances under this module have different state-dict settings")
+        return settings[0]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+                        optim_state_dict_config=None):
+        """Within the context, ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type``."""
+        from graphshard.fsdp._wrapper import FullyShardedDataParallel
+
+        prev = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                            optim_state_dict_config)
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config,
+                                                         prev.optim_state_dict_config)
+
+    # ------------------------------------------------------------------ state_dict / load_state_dict
+    def _settings(self) -> StateDictSettings:
+        return self._root.__dict__.get("_sd_settings") or _default_settings()
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if not self._is_root:
+            raise NotImplementedError("graphshard.fsdp: call state_dict() on the root FullyShardedDataParallel")
+        if args:  # nn.Module's deprecated positional form (destination, prefix, keep_vars)
+            destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
+        settings = self._settings()
+        kind, cfg = settings.state_dict_type, settings.state_dict_config
+        out = destination if destination is not None else {}
+        if kind == StateDictType.LOCAL_STATE_DICT:
+            for name, p in nn.Module.named_parameters(self):
+                out[prefix + name] = p if keep_vars else p.detach()
+            for name, b in nn.Module.named_buffers(self):
+                out[prefix + name] = b if keep_vars else b.detach()
+            return out
+        values = self._param_values(kind, cfg)
+        rank0_only = kind == StateDictType.FULL_STATE_DICT and cfg.rank0_only and dist.get_rank() != 0
+        buffers = dict(self._fsdp_wrapped_module.named_buffers(remove_duplicate=False))
+        for key in self._sd_keys:
+            if key in values:
+                v = values[key]
+            elif key in buffers:
+                v = buffers[key].detach().to(self._buffer_dtypes.get(key, buffers[key].dtype))
+                if getattr(cfg, "offload_to_cpu", False):
+                    v = v.cpu()
+            else:
+                continue
+            if not rank0_only:
+                out[prefix + key] = v
+        return out
+
+    def _param_values(self, kind: StateDictType, cfg) -> dict[str, torch.Tensor]:
+        model = self._fsdp_wrapped_module
+        values = {}
+        for info in self._graphshard.infos.values():
+            if kind == StateDictType.FULL_STATE_DICT:
+                v = _gather_logical(stored_local(model, info), info).to(info.dtype)
+                if cfg.offload_to_cpu:
+                    v = v.cpu()
+            else:
+                v = sharded_value(model, info).detach()
+                if cfg.offload_to_cpu:
+                    v = DTensor.from_local(v.to_local().cpu(), v.device_mesh, v.placements, run_check=False,
+                                           shape=v.shape, stride=v.stride())
+            for fqn in info.layout.fqns:
+                values[fqn] = v
+        return values
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if not self._is_root:
+            raise NotImplementedError("graphshard.fsdp: call load_state_dict() on the root FullyShardedDataParallel")
+        from graphshard.fsdp._wrapper import local_of_full
+
+        kind = self._settings().state_dict_type
+        if kind == StateDictType.LOCAL_STATE_DICT:
+            return nn.Module.load_state_dict(self, state_dict, strict=strict)
+        model = self._fsdp_wrapped_module
+        expected = set(self._sd_keys)
+        missing = [k for k in self._sd_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if strict and (missing or unexpected):
+            raise RuntimeError(_load_error(type(model).__name__, missing, unexpected))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        with torch.no_grad():
+            for info in self._graphshard.infos.values():
+                fqn = next((f for f in info.layout.fqns if f in state_dict), None)
+                if fqn is None:
+                    continue
+                value = state_dict[fqn]
+                dst = stored_local(model, info)
+                if isinstance(value, DTensor):
+                    value = value.to_local() if value.placements == sharded_value(model, info).placements \
+                        and value.to_local().shape == dst.shape else local_of_full(value.full_tensor(), info)
+                else:
+                    if tuple(value.shape) != tuple(info.logical_shape):
+                        raise RuntimeError(f"size mismatch for {fqn}: copying a param with shape {tuple(value.shape)}, "
+                                           f"the shape in the current model is {info.logical_shape}")
+                    value = local_of_full(value, info)
+                dst.copy_(value)
+            for key, b in buffers.items():
+                if key in state_dict:
+                    v = state_dict[key]
+                    b.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
+        return _compat.incompatible_keys(missing, unexpected)
+
+
+def _default_settings() -> StateDictSettings:
+    return StateDictSettings(StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig())
+
+
+def _load_error(name: str, missing: list[str], unexpected: list[str]) -> str:
+    parts = []
+    if unexpected:
+        parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    if missing:
+        parts.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    return f"Error(s) in loading state_dict for {name}:\n\t" + "\n\t".join(parts)
+
+
+__all__ = ["StateDictMixin", "FLAT_PARAM"]

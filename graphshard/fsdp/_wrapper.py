@@ -1,0 +1,481 @@
+"""``FullyShardedDataParallel``: torch's FSDP1 wrapper, built as a graphshard plan and compiled.
+
+The root instance decides the units (``auto_wrap_policy``, by torch's traversal in
+``graphshard.fsdp.wrap``), builds one `Plan` with a unit spec per unit (the sharding
+strategy, mixed precision and ``use_orig_params`` of that unit), shards the model with
+`graphshard.shard` and compiles the whole model as one program. Each unit is then a real
+``FullyShardedDataParallel`` instance in the module tree, holding the unit's module as
+``_fsdp_wrapped_module``, so FQNs, ``named_parameters()`` and ``fsdp_modules`` read as torch's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import threading
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    StateDictType,
+)
+from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+
+from graphshard import _compat
+from graphshard.backend import graphshard_backend
+from graphshard.config import CompileConfig
+from graphshard.fsdp._state_dict import StateDictMixin
+from graphshard.fsdp.wrap import decide_units
+from graphshard.ops import _gather_logical, local_chunk
+from graphshard.params import ParamInfo
+from graphshard.plan import FullyShard, Plan, Replicate
+from graphshard.storage import FLAT_PARAM, in_forward, shard, state_of, stored_local
+
+WRAPPED = "_fsdp_wrapped_module"
+"""The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
+_PREFIX = WRAPPED + "."
+
+
+def clean_fqn(fqn: str) -> str:
+    """``fqn`` without the wrapper's ``_fsdp_wrapped_module.`` components (the user's FQN)."""
+    return fqn.replace(_PREFIX, "").replace("." + WRAPPED, "").replace(WRAPPED, "")
+
+
+class _Summoned(threading.local):
+    """Per-thread: parameter key -> the full parameter a ``summon_full_params`` exposes."""
+
+    def __init__(self):
+        self.full: dict[str, torch.Tensor] = {}
+
+
+_summoned = _Summoned()
+
+
+class FullyShardedDataParallel(StateDictMixin, nn.Module):
+    """torch's ``FullyShardedDataParallel`` (FSDP1), same signature and behaviour, compiled by
+    graphshard: one program for the whole model, one all-gather and one reduce-scatter per
+    unit, scheduled by ``backward_prefetch`` / ``forward_prefetch`` / ``limit_all_gathers``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy=None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules: Iterable[nn.Module] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states=None,
+        device_mesh: DeviceMesh | None = None,
+    ):
+        super().__init__()
+        _check_module(module)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if not isinstance(strategy, ShardingStrategy):
+            raise ValueError(f"sharding_strategy={sharding_strategy!r}: expected a ShardingStrategy")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise ValueError(f"mixed_precision={mixed_precision!r}: expected a torch.distributed.fsdp.MixedPrecision")
+        if ignored_modules is not None and ignored_states is not None:
+            raise ValueError(
+                "FullyShardedDataParallel got both ignored_modules and ignored_states; pass one of them "
+                "(ignored_states takes the modules and parameters together)"
+            )
+        ignored = _ignored(module, ignored_modules, ignored_states)
+        if ignored[0] or ignored[1]:
+            raise NotImplementedError(
+                "graphshard.fsdp: ignored_modules / ignored_states are not supported yet; leave those modules "
+                "out of the wrapped model or use torch's FSDP for them"
+            )
+        mesh = _mesh_for(strategy, process_group, device_mesh, device_id)
+        _materialize(module, param_init_fn, mesh.device_type)
+        if sync_module_states:
+            _broadcast_from_rank0(module, mesh)
+        _original_state_dict_keys = list(module.state_dict().keys())
+        self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}
+        self._fsdp_wrapped_module = module
+        units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1])
+        specs = {}
+        for fqn, _mod, overrides in units:
+            unit_strategy = overrides.get("sharding_strategy", strategy)
+            unit_mp = overrides.get("mixed_precision", mixed_precision)
+            specs[fqn] = _unit_spec(unit_strategy, unit_mp, use_orig_params, mesh)
+        plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()})
+        shard(module, plan)
+        state = state_of(module)
+        if not state.units:
+            raise ValueError(f"{type(module).__name__} has no parameters to shard; FullyShardedDataParallel needs some")
+        self._graphshard = state
+        self._config = _Config(strategy=strategy, mixed_precision=mixed_precision, use_orig_params=use_orig_params,
+                               cpu_offload=cpu_offload or CPUOffload(), mesh=mesh, plan=plan,
+                               backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                               limit_all_gathers=limit_all_gathers)
+        self._unit_fqn = ""
+        self._root = self
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config = None
+        self._optim_state_dict_config = None
+        children = _parents_of(module)
+        for fqn, mod, _ in units:
+            if fqn == "":
+                continue
+            wrapper = FullyShardedDataParallel._unit(mod, fqn, self)
+            for parent, name in children.get(id(mod), ()):
+                parent._modules[name] = wrapper
+        self._sd_keys = list(_original_state_dict_keys)
+        self.compile(backend=functools.partial(graphshard_backend, config=self._compile_config()))
+
+    @classmethod
+    def _unit(cls, module: nn.Module, fqn: str, root: "FullyShardedDataParallel") -> "FullyShardedDataParallel":
+        """A non-root unit's wrapper: shares the root's configuration and sharded state."""
+        unit = cls.__new__(cls)
+        nn.Module.__init__(unit)
+        unit._fsdp_wrapped_module = module
+        unit._unit_fqn = fqn
+        unit.__dict__["_root"] = root  # not a submodule
+        unit._graphshard = root._graphshard
+        unit._config = root._config
+        return unit
+
+    def _compile_config(self) -> CompileConfig:
+        c = self._config
+        return CompileConfig(limit_all_gathers=2)  # PENDING-MERGE: prefetch settings (wip-sched)
+
+    # ------------------------------------------------------------------ module protocol
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def _is_root(self) -> bool:
+        return self._root is self
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return self._config.strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return self._config.mixed_precision or MixedPrecision()
+
+    @property
+    def process_group(self):
+        return self._config.mesh.get_group(self._config.mesh.ndim - 1)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[WRAPPED], name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._modules[WRAPPED].__getitem__(key)
+
+    def forward(self, *args, **kwargs):
+        mp = self._config.mixed_precision
+        if mp is not None and mp.param_dtype is not None and (
+                mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)):
+            args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """torch's names (``..._fsdp_wrapped_module._flat_param`` with ``use_orig_params=False``);
+        inside ``summon_full_params`` the user's names with the full parameters, as torch."""
+        if _summoned.full:
+            for fqn, p in super().named_parameters(prefix, recurse, remove_duplicate):
+                if not fqn.endswith(FLAT_PARAM):
+                    yield clean_fqn(fqn), p
+            for key, full in _summoned.full.items():
+                info = self._graphshard.infos[key]
+                if _in_unit(info, self._unit_fqn, recurse):
+                    yield prefix + _relative(info.fqn, self._unit_fqn), full
+            return
+        yield from super().named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        names = super().named_buffers(prefix, recurse, remove_duplicate)
+        if _summoned.full:
+            names = ((clean_fqn(n), b) for n, b in names)
+        yield from names
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``fn`` on every submodule and ``self`` with the full parameters summoned (written back)."""
+        ctx = self.summon_full_params(self, recurse=True, writeback=True) if self._is_root else contextlib.nullcontext()
+        with ctx:
+            return super().apply(fn)
+
+    # ------------------------------------------------------------------ static helpers
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """The ``FullyShardedDataParallel`` instances in ``module``'s tree (``module`` included), in
+        pre-order; ``root_only``: only the roots."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        return [m for m in found if m._is_root] if root_only else found
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+        """The full parameters under the user's names and shapes inside the context; on exit the
+        local slice of each (modified) full parameter is written back unless ``writeback=False``."""
+        if rank0_only and writeback:
+            raise NotImplementedError("summon_full_params: rank0_only=True and writeback=True is not supported "
+                                      "(parameter shapes would differ across ranks); pass writeback=False")
+        roots = FullyShardedDataParallel.fsdp_modules(module)
+        if not roots:
+            yield
+            return
+        if torch.compiler.is_compiling() or in_forward() or _compat.in_autograd_backward():
+            raise AssertionError("summon_full_params cannot be used within a forward or backward pass, nor can "
+                                 "forward and backward be started from within it; call it before or after")
+        if with_grads and not roots[0]._config.use_orig_params:
+            raise ValueError("summon_full_params(with_grads=True) needs use_orig_params=True, as torch's FSDP")
+        root = roots[0]._root
+        model = root._fsdp_wrapped_module
+        keys = [key for key, info in root._graphshard.infos.items()
+                if any(_in_unit(info, w._unit_fqn, recurse) for w in roots)]
+        full: dict[str, torch.Tensor] = {}
+        for key in keys:
+            info = root._graphshard.infos[key]
+            local = stored_local(model, info)
+            value = _gather_logical(local, info).to(info.dtype)  # every rank joins the gather
+            if rank0_only and dist.get_rank() != 0:
+                continue
+            if offload_to_cpu:
+                value = value.cpu()
+            p = nn.Parameter(value, requires_grad=local.requires_grad or info.layout.unit is not None)
+            if with_grads:
+                grad = _local_grad(model, info)
+                if grad is not None:
+                    p.grad = _gather_logical(grad, info).to(info.dtype)
+            full[key] = p
+        if keys and rank0_only and dist.get_rank() != 0:
+            full = {}
+        saved = dict(_summoned.full)
+        _summoned.full.update(full)
+        try:
+            yield
+        finally:
+            _summoned.full = saved
+            if writeback:
+                with torch.no_grad():
+                    for key, p in full.items():
+                        info = root._graphshard.infos[key]
+                        stored_local(model, info).copy_(local_of_full(p.detach(), info))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips the gradients of every parameter of the model by their total norm (computed over
+        all ranks' shards, as torch's FSDP); returns the total norm. Root instance only."""
+        if not self._is_root:
+            raise RuntimeError(
+                f"clip_grad_norm_ should only be called on the root FSDP instance; it was called on the unit "
+                f"{self._unit_fqn!r}: call it on the model's outermost FullyShardedDataParallel"
+            )
+        from graphshard.fsdp._norm import clip_grad_norm
+
+        return clip_grad_norm(self, max_norm, norm_type)
+
+
+def local_of_full(full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    """This rank's shard of a full (logical) parameter, as graphshard stores it."""
+    assert not info.model_parallel, "graphshard.fsdp shards over data-parallel axes only"
+    if info.shard is None:
+        return full
+    return local_chunk(full, 0, info.shard.world, info.shard.rank)
+
+
+def _local_grad(model: nn.Module, info: ParamInfo) -> torch.Tensor | None:
+    owner, _, name = info.layout.fqns[0].rpartition(".")
+    mod = model.get_submodule(owner)
+    flat = mod.__dict__.get("_graphshard_flat", {})
+    if name in flat:
+        unit, slot = flat[name]
+        g = unit.param.grad
+        return None if g is None else g.narrow(0, slot.offset, slot.numel).view(slot.shape)
+    g = mod._parameters[name].grad
+    return None if g is None else g._local_tensor
+
+
+class _Config:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _check_module(module) -> None:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    for fqn, m in module.named_modules():
+        if isinstance(m, _TorchFSDP):
+            raise ValueError(
+                f"module {fqn or '<root>'!r} is already wrapped by torch's FullyShardedDataParallel; graphshard.fsdp "
+                "and torch's FSDP do not nest: wrap the plain model with one of them"
+            )
+        if isinstance(m, FullyShardedDataParallel) or state_of(m) is not None:
+            raise NotImplementedError(
+                f"module {fqn or '<root>'!r} is already sharded by graphshard; graphshard.fsdp decides every unit "
+                "at the root: pass auto_wrap_policy (or wrap the unsharded model once) instead of nesting instances"
+            )
+
+
+def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, set]:
+    mods, params = set(), set()
+    for x in list(ignored_modules or ()) + list(ignored_states or ()):
+        if isinstance(x, nn.Module):
+            if isinstance(x, FullyShardedDataParallel):
+                raise ValueError("ignored_modules must not contain FullyShardedDataParallel instances")
+            mods.add(x)
+        elif isinstance(x, nn.Parameter):
+            params.add(x)
+        else:
+            raise ValueError(f"ignored_states takes modules and parameters, got {type(x).__name__}")
+    return mods, params
+
+
+def _mesh_for(strategy: ShardingStrategy, process_group, device_mesh, device_id) -> DeviceMesh:
+    """The mesh graphshard shards over: ("dp",) or, for hybrid sharding, ("replicate", "shard")."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("FullyShardedDataParallel needs a process group: call torch.distributed.init_process_group() "
+                         "(launch with torchrun) first")
+    device = _device_type(device_id)
+    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if device_mesh is not None and process_group is not None:
+        raise ValueError("pass either process_group or device_mesh to FullyShardedDataParallel, not both")
+    if device_mesh is not None:
+        if device_mesh.ndim != (2 if hybrid else 1):
+            raise ValueError(f"{strategy.name} takes a {2 if hybrid else 1}-D device_mesh, got {device_mesh.ndim}-D")
+        names = ("replicate", "shard") if hybrid else ("dp",)
+        if device_mesh.mesh_dim_names == names:
+            return device_mesh
+        groups = [device_mesh.get_group(i) for i in range(device_mesh.ndim)]
+        return DeviceMesh.from_group(groups if hybrid else groups[0], device_mesh.device_type,
+                                     mesh=device_mesh.mesh, mesh_dim_names=names)
+    if not hybrid:
+        group = process_group or dist.group.WORLD
+        if isinstance(group, tuple):
+            raise ValueError(f"a (shard, replicate) process-group pair is for hybrid sharding, not {strategy.name}")
+        return DeviceMesh.from_group(group, device, mesh_dim_names=("dp",))
+    if process_group is None:  # torch's default: shard within a node, replicate across nodes
+        local = int(torch.cuda.device_count()) if device == "cuda" else _local_world_size()
+        world = dist.get_world_size()
+        return init_device_mesh(device, (world // local, local), mesh_dim_names=("replicate", "shard"))
+    if not (isinstance(process_group, tuple) and len(process_group) == 2):
+        raise ValueError(f"{strategy.name} takes process_group=(shard_group, replicate_group) or a 2-D device_mesh")
+    shard_pg, replicate_pg = process_group
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, (dist.get_process_group_ranks(replicate_pg).index(dist.get_rank()),
+                                  dist.get_process_group_ranks(shard_pg).index(dist.get_rank())))
+    n_rep, n_shard = dist.get_world_size(replicate_pg), dist.get_world_size(shard_pg)
+    layout = torch.empty(n_rep, n_shard, dtype=torch.int)
+    for rank, (i, j) in enumerate(rows):
+        layout[i, j] = rank
+    return DeviceMesh.from_group([replicate_pg, shard_pg], device, mesh=layout, mesh_dim_names=("replicate", "shard"))
+
+
+def _local_world_size() -> int:
+    import os
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+
+
+def _device_type(device_id) -> str:
+    if device_id is None:
+        return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    if isinstance(device_id, int):
+        return "cuda"
+    return torch.device(device_id).type
+
+
+def _unit_spec(strategy: ShardingStrategy, mp: MixedPrecision | None, use_orig_params: bool, mesh: DeviceMesh):
+    dtypes = {}
+    if mp is not None:
+        dtypes = dict(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+        if mp.keep_low_precision_grads:
+            raise NotImplementedError("graphshard.fsdp: MixedPrecision(keep_low_precision_grads=True) is not supported "
+                                      "yet; gradients come back in the parameters' dtype")
+    flat = not use_orig_params
+    if strategy == ShardingStrategy.NO_SHARD:
+        return Replicate(flat_params=flat, **dtypes)
+    reshard = strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    hybrid = strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    return FullyShard(reshard_after_forward=reshard, flat_params=flat, shard_axis="shard" if hybrid else None, **dtypes)
+
+
+def _exact_glob(fqn: str) -> str:
+    if any(c in fqn for c in "*?["):
+        raise NotImplementedError(f"module FQN {fqn!r} has a glob character; graphshard.fsdp cannot name it as a unit")
+    return fqn
+
+
+def _parents_of(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """module id -> every (parent, attribute name) that holds it (a shared module has several)."""
+    out: dict[int, list] = {}
+    seen = set()
+    for parent in root.modules():
+        if id(parent) in seen:
+            continue
+        seen.add(id(parent))
+        for name, child in parent._modules.items():
+            if child is not None:
+                out.setdefault(id(child), []).append((parent, name))
+    return out
+
+
+def _in_unit(info: ParamInfo, unit_fqn: str, recurse: bool) -> bool:
+    if recurse:
+        return unit_fqn == "" or any(f == unit_fqn or f.startswith(unit_fqn + ".") for f in info.layout.fqns)
+    return info.layout.unit == unit_fqn
+
+
+def _relative(fqn: str, unit_fqn: str) -> str:
+    return fqn[len(unit_fqn) + 1:] if unit_fqn else fqn
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
+
+
+def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
+    """Meta-device modules: ``param_init_fn`` on each module holding meta tensors, else
+    ``to_empty`` + ``reset_parameters`` per module, children never re-initialized."""
+    has_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+    if not has_meta:
+        if param_init_fn is not None:
+            raise ValueError("param_init_fn is for modules on the meta device; this module has no meta tensors")
+        return
+    for m in module.modules():
+        own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
+        if not any(t.is_meta for t in own):
+            continue
+        if param_init_fn is not None:
+            param_init_fn(m)
+            continue
+        m.to_empty(device=device_type, recurse=False)
+        reset = getattr(m, "reset_parameters", None)
+        if not callable(reset):
+            raise ValueError(f"module {type(m).__name__} is on the meta device and has no reset_parameters(); "
+                             "pass param_init_fn to FullyShardedDataParallel to initialize it")
+        with torch.no_grad():
+            reset()
+
+
+def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh) -> None:
+    with torch.no_grad():
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            dist.broadcast(t.data, src=0)

@@ -1,0 +1,137 @@
+"""FSDP1 parity worker: ``torchrun --nproc-per-node N tests/workers/fsdp1.py CASE [CASE ...]``.
+
+Each CASE is ``model:strategy:prefetch:params[:flag ...]``: ``model`` transformer | llama (HF
+transformers, tiny config); ``strategy`` a ShardingStrategy name in lower case (full_shard,
+shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backward_prefetch``);
+``params`` flat | orig (``use_orig_params``). Flags: ``clip`` (``clip_grad_norm_`` at 0.05 each
+step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``).
+
+The same user program (`train`) runs three times on one batch stream: with torch's
+``FullyShardedDataParallel``, with ``graphshard.fsdp.FullyShardedDataParallel`` (only the class
+differs), and unwrapped in one process on the global batch. Rank 0 reports the largest loss and
+parameter differences of each wrapper against the single process, and of the two against each
+other, plus the names each wrapper's ``named_parameters()`` gives.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+
+from _runner import run_cases
+from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch
+
+STEPS = 4
+SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+
+
+def build(model_name: str):
+    torch.manual_seed(0)
+    if model_name == "llama":
+        import transformers
+
+        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                       max_position_embeddings=64, attn_implementation="eager")
+        model = transformers.LlamaForCausalLM(cfg)
+        block = transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        return model, block, lambda out: out.logits
+    return Transformer(SMALL), Block, lambda out: out
+
+
+def train(FSDP, model, block, logits, args: dict, sl: slice):
+    """The user's program: wrap, train with SGD + momentum, read a full state dict."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), **args["fsdp"])
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = token_batch(step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
+        loss = lm_loss(logits(fsdp(x[sl])), y[sl])
+        loss.backward()
+        if args["clip"]:
+            norms.append(float(fsdp.clip_grad_norm_(0.05)))
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        sd = fsdp.state_dict()
+    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()]
+
+
+def reference(model, logits, args: dict):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = token_batch(step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
+        loss = lm_loss(logits(model(x)), y)
+        loss.backward()
+        if args["clip"]:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, norms, model.state_dict()
+
+
+def fsdp_args(strategy: str, prefetch: str, params: str, flags: list[str]) -> dict:
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+    kwargs = dict(sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
+                  backward_prefetch={"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
+                                     "none": None}[prefetch],
+                  forward_prefetch="fwd" in flags, limit_all_gathers="nolimit" not in flags)
+    if strategy == "hybrid_shard":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                                                 mesh_dim_names=("replicate", "shard"))
+    return kwargs
+
+
+def _diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+
+
+def run_case(case: str) -> dict:
+    import graphshard.fsdp
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    model_name, strategy, prefetch, params, *flags = case.split(":")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()
+    per_rank = 2
+    args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags}
+    sl = slice(rank * per_rank, (rank + 1) * per_rank)
+    base, block, logits = build(model_name)
+    ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
+    out = {"case": case}
+    results = {}
+    for name, cls in (("torch", TorchFSDP), ("graphshard", graphshard.fsdp.FullyShardedDataParallel)):
+        try:
+            losses, norms, sd, names = train(cls, copy.deepcopy(base), block, logits, args, sl)
+        except Exception as e:  # torch's FSDP1 cannot run every program; say which
+            if name == "graphshard":
+                raise
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
+            continue
+        results[name] = sd
+        out[f"{name}_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        out[f"{name}_norm_err"] = max((abs(a - b) for a, b in zip(norms, ref_norms)), default=0.0)
+        out[f"{name}_param_err"] = _diff(sd, ref_sd)
+        out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
+        out[f"{name}_names"] = names
+    if len(results) == 2:
+        out["between_param_err"] = _diff(results["graphshard"], results["torch"])
+    return out
+
+
+if __name__ == "__main__":
+    run_cases(sys.argv[1:], run_case)
