@@ -12,6 +12,9 @@ Variants (see `VARIANTS`):
 * ``fsdp2_compile_root``    as ``fsdp2``, then ``torch.compile`` of the sharded root.
 * ``fsdp2_compile_blocks``  ``block.compile()`` on every block, then ``fully_shard`` (torchtitan's recipe).
 * ``fsdp1``                 ``FullyShardedDataParallel``, one unit per block, ``use_orig_params=True``.
+* ``fsdp1_flat``            the same with ``use_orig_params=False`` (flat parameters).
+* ``gs_fsdp1`` / ``gs_fsdp1_flat``  the same two programs with ``graphshard.fsdp.FullyShardedDataParallel``.
+* ``graphshard_flat``       ``graphshard.compile`` with ``FullyShard(flat_params=True)``: the Plan ``gs_fsdp1_flat`` builds.
 * ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
 * ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
 * ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from typing import Callable
@@ -40,6 +44,10 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 
+OPT_TIMES: list[float] = []
+"""Seconds of each ``opt.step()`` + ``zero_grad`` (the optimizer's share of a step)."""
+
+
 def _make_step(module: Callable, params, lr: float) -> StepFn:
     """One training step: forward, loss, backward, AdamW step, zero_grad(set_to_none)."""
     opt = torch.optim.AdamW(params, lr=lr)
@@ -47,8 +55,10 @@ def _make_step(module: Callable, params, lr: float) -> StepFn:
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = lm_loss(module(tokens), targets)
         loss.backward()
+        t0 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        OPT_TIMES.append(time.perf_counter() - t0)
         return loss.detach()
 
     return step
@@ -66,31 +76,36 @@ def build_fsdp2(model, mesh, lr, *, compile_root=False, compile_blocks=False) ->
     return _make_step(module, model.parameters(), lr)
 
 
-def build_fsdp1(model, mesh, lr) -> StepFn:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False) -> StepFn:
+    """FSDP1's program, one unit per block; with ``graphshard_fsdp`` the same lines with
+    ``graphshard.fsdp.FullyShardedDataParallel`` (the only difference)."""
+    if graphshard_fsdp:
+        from graphshard.fsdp import FullyShardedDataParallel as FSDP
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     dev = mesh.device_type
     fsdp = FSDP(
         model,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=True,
+        use_orig_params=use_orig_params,
         # An explicit CPU device_id is FSDP1's (only) way to run without an accelerator.
         device_id=torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu"),
     )
     return _make_step(fsdp, fsdp.parameters(), lr)
 
 
-def _graphshard_plan(mesh):
+def _graphshard_plan(mesh, **spec):
     try:
         import graphshard
     except Exception as e:  # noqa: BLE001
         raise C.Unavailable(f"import graphshard failed: {e!r}") from e
-    return graphshard, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+    return graphshard, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(**spec), "": graphshard.FullyShard(**spec)})
 
 
-def build_graphshard(model, mesh, lr) -> StepFn:
-    graphshard, plan = _graphshard_plan(mesh)
+def build_graphshard(model, mesh, lr, **spec) -> StepFn:
+    graphshard, plan = _graphshard_plan(mesh, **spec)
     graphshard.compile(model, plan)
     return _make_step(model, model.parameters(), lr)
 
@@ -139,7 +154,11 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "fsdp2_compile_root": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_root=True),
     "fsdp2_compile_blocks": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_blocks=True),
     "fsdp1": build_fsdp1,
+    "fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False),
+    "gs_fsdp1": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, graphshard_fsdp=True),
+    "gs_fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False, graphshard_fsdp=True),
     "graphshard": build_graphshard,
+    "graphshard_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, flat_params=True),
     "graphshard_comm": build_graphshard_comm,
     "local_compile": build_local_compile,
 }
@@ -188,6 +207,7 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
 
     mine = {
         "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times, "cpu_s": cpu_s,
+        "opt_s": statistics.median(OPT_TIMES[-args.steps - 1:]) if OPT_TIMES else None,
         "losses": losses, "peak_live_bytes": peak, "resident_bytes": resident,
         "unseen_free_bytes": unseen_free,
         "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
@@ -205,6 +225,7 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
         "resident_mib": max(r["resident_bytes"] for r in ranks) * mib,
         "unseen_free_mib": max(r["unseen_free_bytes"] for r in ranks) * mib,
         "rss_mib": max(r["rss_mib"] for r in ranks),
+        "opt_s": max((r["opt_s"] for r in ranks if r["opt_s"] is not None), default=None),
         "graph_breaks": ranks[0].get("graph_breaks"),
         "unique_graphs": ranks[0].get("unique_graphs"),
         "graph_break_reasons": C.graph_break_reasons(),

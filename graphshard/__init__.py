@@ -7,6 +7,7 @@ collectives the plan implies, scheduled to overlap compute, lowered by Inductor.
 
 from graphshard.api import compile, explain, shard
 from graphshard.config import CompileConfig
+from graphshard.grad_sync import no_sync
 from graphshard.plan import FullyShard, Plan, Replicate, ShardParams, StridedShard
 
-__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "StridedShard", "CompileConfig", "shard", "compile", "explain"]
+__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "StridedShard", "CompileConfig", "shard", "compile", "explain", "no_sync"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
-from graphshard import _compat
+from graphshard import _compat, grad_sync
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute, collective_kind
 from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
@@ -58,7 +58,7 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
-    compiled = _aot_compile(traced, fake_inputs, prepared.ctx)
+    compiled = _aot_compile(traced, fake_inputs, prepared.ctx, prepared.states)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
@@ -129,6 +129,7 @@ class Prepared:
     ctx: PassContext
     fake_inputs: list
     dtensor_positions: list[int]
+    states: list  # the ShardedStates of the models whose parameters the graph reads
 
 
 def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepared:
@@ -146,7 +147,8 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
     ctx.graph_index = report.index
     ctx.input_units = _input_units(traced)
     ctx.input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
-    return Prepared(traced, ctx, fake_inputs, dtensor_positions)
+    states = list({id(s): s for s in map(state_for_key, keys) if s is not None}.values())
+    return Prepared(traced, ctx, fake_inputs, dtensor_positions, states)
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
@@ -196,11 +198,16 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
 
 
 def _input_units(gm: fx.GraphModule) -> list:
-    """For each graph input: the unit of the parameter it is the local shard of (None for data)."""
+    """For each graph input: the unit of the parameter it is the local shard of, or of the
+    parameters it holds (a flat unit's parameter, which the markers read through views);
+    None for data."""
     units = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target == ops.param.default:
-            units[n.args[0]] = lookup_param(n.args[1]).layout.unit
+            source = n.args[0]
+            while source.op == "call_function" and getattr(source.target, "is_view", False):
+                source = source.args[0]  # a flat parameter's view (slice, view) back to the input
+            units[source] = lookup_param(n.args[1]).layout.unit
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
@@ -227,7 +234,7 @@ def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphR
                        fake_mode=fake_mode, group_axes=group_axes, meshes=meshes)
 
 
-def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
+def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, states: list):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
@@ -278,6 +285,9 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                         g, inputs, is_backward=is_backward, batch=config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
+            if is_backward and partitioned:
+                compiled_fn = _with_grad_sync(g, inputs, compiled_fn, ctx, states, functools.partial(
+                    _lower_variant, config=config, share=share, compiled=compiled))
             return compiled_fn
 
         return compile_graph
@@ -293,6 +303,33 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=partition,
         decompositions=decomps,
     )
+
+
+def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, states: list, lower):
+    """The backward as a `grad_sync.GradSync` when it has data-parallel gradient reductions
+    (``graphshard.no_sync`` then selects a program without them), else ``plain``."""
+    mp_groups = {axis.group_name for axis in ctx.model_parallel.values()}
+    params = {i for i, unit in enumerate(ctx.input_units) if unit is not None}
+    roots = grad_sync.root_reductions(bw, mp_groups, params)
+    if not roots or not states:
+        return plain
+    ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
+                            "reduction(s) and with the accumulated gradients added, each lowered on first use")
+    return grad_sync.GradSync(plain, grad_sync.accumulate_variant(bw, roots), grad_sync.flush_variant(bw, roots),
+                              list(inputs), states, lower)
+
+
+def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, share, compiled: dict):
+    """Lowers a backward program derived from the partitioned one (`grad_sync`): with its own
+    facts, never aot_autograd's (which describe the graph it partitioned, not this one)."""
+    if config.lower == "eager":
+        return _compat.boxed_nop(g, inputs)
+    with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
+                                       compile_threads=_compile_threads()):
+        if config.regional and whole_graph_reason(g) is None:
+            return lower_regions(g, is_backward=True, share=share, compiled=compiled, batch=config.batch_cpp_kernels,
+                                 report_strides=False)[0]
+        return _compat.inductor_compile_region(g, inputs, is_backward=True, batch=config.batch_cpp_kernels)
 
 
 def _cpu_settings(inputs, config: CompileConfig) -> dict:

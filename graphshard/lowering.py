@@ -545,7 +545,7 @@ class CompileShare(Protocol):
 def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare | None = None,
                   ahead: dict[tuple, RegionWork] | None = None,
                   compiled: dict[tuple, Callable] | None = None, batch: bool = False,
-                  ) -> tuple[Callable, list[str], dict[str, int]]:
+                  report_strides: bool = True) -> tuple[Callable, list[str], dict[str, int]]:
     """Compiles ``gm`` region by region with Inductor. Returns the boxed callable, the
     order of communication and compute it runs, and region counts for the report.
 
@@ -560,7 +560,8 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
     is partitioned), claimed after this graph's: the ranks compile them in this phase, and
     the backward finds them done. ``compiled`` (by ``(is_backward, key)``) keeps what this
     rank compiled for a later graph of the same compile. ``batch``: C++ kernels built as one
-    library per block (``CompileConfig.batch_cpp_kernels``).
+    library per block (``CompileConfig.batch_cpp_kernels``). ``report_strides``: tell
+    aot_autograd the output strides (only for the graph it partitioned).
     """
     steps, order, counts, work = plan_regions(gm, is_backward=is_backward)
     compiled = {} if compiled is None else compiled
@@ -585,5 +586,6 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
                     share.wait(w.digest(), deadline)  # claimed by another rank: its result is in the cache
                 compiled[(w.is_backward, w.key)] = w.compile(batch=batch)
     program = RegionalProgram(gm.graph, steps, {k: compiled[(is_backward, k)] for k in work})
-    _compat.report_output_strides(gm)
+    if report_strides:  # a graph aot_autograd partitioned (not one derived from it afterwards)
+        _compat.report_output_strides(gm)
     return program, order, counts

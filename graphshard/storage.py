@@ -42,6 +42,7 @@ class ShardedState:
     units: dict[str, list[str]]                       # unit FQN -> parameter keys, in registration order
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     flat: dict[str, "FlatUnit"] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
+    sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 
     def info_for_fqn(self, fqn: str) -> ParamInfo:
         for info in self.infos.values():
@@ -398,6 +399,14 @@ def in_forward() -> bool:
 def sharded_value(model: nn.Module, info: ParamInfo) -> DTensor:
     """This rank's shard of ``info``'s parameter as a DTensor over the plan's mesh (sharing storage)."""
     return DTensor.from_local(stored_local(model, info), info.mesh, _stored_placements(info), run_check=False,
+                              shape=torch.Size(info.logical_shape),
+                              stride=torch.empty(info.logical_shape, device="meta").stride())
+
+
+def dtensor_of_local(local: torch.Tensor, info: ParamInfo) -> DTensor:
+    """``local``, a tensor laid out as this rank's shard of ``info``'s parameter (its optimizer
+    state, say), as a DTensor with the parameter's placements (sharing storage)."""
+    return DTensor.from_local(local, info.mesh, _stored_placements(info), run_check=False,
                               shape=torch.Size(info.logical_shape),
                               stride=torch.empty(info.logical_shape, device="meta").stride())
 

@@ -35,6 +35,7 @@ from graphshard.backend import graphshard_backend
 from graphshard.config import CompileConfig
 from graphshard.fsdp._state_dict import StateDictMixin
 from graphshard.fsdp.wrap import decide_units
+from graphshard.grad_sync import no_sync
 from graphshard.ops import _gather_logical, local_chunk
 from graphshard.params import ParamInfo
 from graphshard.plan import FullyShard, Plan, Replicate
@@ -278,6 +279,18 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
                     for key, p in full.items():
                         info = root._graphshard.infos[key]
                         stored_local(model, info).copy_(local_of_full(p.detach(), info))
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within the context, backward passes accumulate gradients on each rank without
+        communication; the first backward after it reduces them with its own, so the result
+        equals one step on the concatenated micro-batches. Root instance only (as torch's).
+        The backward without reductions is compiled once, on first use (`graphshard.no_sync`)."""
+        if not self._is_root:
+            raise RuntimeError(f"no_sync() on the unit {self._unit_fqn!r}: call it on the root FullyShardedDataParallel "
+                               "(torch's FSDP does not support no_sync on inner instances either)")
+        with no_sync(self._fsdp_wrapped_module):
+            yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips the gradients of every parameter of the model by their total norm (computed over

@@ -4,7 +4,8 @@ Each CASE is ``model:strategy:prefetch:params[:flag ...]``: ``model`` transforme
 transformers, tiny config); ``strategy`` a ShardingStrategy name in lower case (full_shard,
 shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backward_prefetch``);
 ``params`` flat | orig (``use_orig_params``). Flags: ``clip`` (``clip_grad_norm_`` at 0.05 each
-step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``).
+step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``), ``accum``
+(each step accumulates two micro-batches, the first inside ``no_sync()``).
 
 The same user program (`train`) runs three times on one batch stream: with torch's
 ``FullyShardedDataParallel``, with ``graphshard.fsdp.FullyShardedDataParallel`` (only the class
@@ -25,6 +26,13 @@ from _runner import run_cases
 from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch
 
 STEPS = 4
+_REDUCTION_EVENTS = ("gloo:reduce_scatter", "gloo:all_to_all", "gloo:all_reduce")
+"""Profiler events of gloo's gradient reductions (what went over the wire; c10d ops also
+appear while graphshard traces, without communicating)."""
+
+
+def _reductions(prof) -> int:
+    return sum(e.name.startswith(_REDUCTION_EVENTS) for e in prof.events())
 SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
 
@@ -49,11 +57,18 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
 
     fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), **args["fsdp"])
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
-    losses, norms = [], []
+    losses, norms, reductions, synced = [], [], [], []
     for step in range(STEPS):
+        if args["accum"]:  # gradient accumulation: a micro-batch without communication first
+            x, y = token_batch(100 + step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
+            with fsdp.no_sync(), torch.profiler.profile() as prof:
+                lm_loss(logits(fsdp(x[sl])), y[sl]).backward()
+            reductions.append(_reductions(prof))
         x, y = token_batch(step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
         loss = lm_loss(logits(fsdp(x[sl])), y[sl])
-        loss.backward()
+        with torch.profiler.profile() as prof:
+            loss.backward()
+        synced.append(_reductions(prof))
         if args["clip"]:
             norms.append(float(fsdp.clip_grad_norm_(0.05)))
         opt.step()
@@ -63,13 +78,16 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         losses.append(mean.item() / dist.get_world_size())
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         sd = fsdp.state_dict()
-    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()]
+    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced)
 
 
 def reference(model, logits, args: dict):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, norms = [], []
     for step in range(STEPS):
+        if args["accum"]:
+            x, y = token_batch(100 + step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
+            lm_loss(logits(model(x)), y).backward()
         x, y = token_batch(step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
         loss = lm_loss(logits(model(x)), y)
         loss.backward()
@@ -108,7 +126,8 @@ def run_case(case: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
     per_rank = 2
-    args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags}
+    args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags,
+            "accum": "accum" in flags}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name)
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
@@ -116,7 +135,7 @@ def run_case(case: str) -> dict:
     results = {}
     for name, cls in (("torch", TorchFSDP), ("graphshard", graphshard.fsdp.FullyShardedDataParallel)):
         try:
-            losses, norms, sd, names = train(cls, copy.deepcopy(base), block, logits, args, sl)
+            losses, norms, sd, names, reductions = train(cls, copy.deepcopy(base), block, logits, args, sl)
         except Exception as e:  # torch's FSDP1 cannot run every program; say which
             if name == "graphshard":
                 raise
@@ -128,6 +147,7 @@ def run_case(case: str) -> dict:
         out[f"{name}_param_err"] = _diff(sd, ref_sd)
         out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
         out[f"{name}_names"] = names
+        out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"] = reductions
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
     return out

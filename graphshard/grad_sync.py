@@ -1,0 +1,180 @@
+"""Gradient accumulation without communication: ``graphshard.no_sync(model)``.
+
+Inside the context a backward skips the data-parallel gradient reductions: each unit's
+unreduced gradient (the buffer its reduce-scatter or all-reduce would send) is added to a
+pending buffer that the compiled backward keeps; the sharded gradients are left as they
+are. The next backward outside the context adds the pending buffers to its own before
+reducing, so one reduction carries every accumulated micro-batch (reductions are linear:
+the result equals reducing each micro-batch's gradient and summing).
+
+The compiled backward is one graph, so the three behaviours are three programs derived
+from it when it is compiled, each lowered once, on its first use, and selected per call
+by the model's ``sync_gradients`` flag (`GradSync`): no recompile per toggle.
+
+* ``plain``: the backward as partitioned, scheduled and lowered.
+* ``accumulate``: the root data-parallel reductions and everything downstream of them
+  removed; their inputs become extra outputs (the pending buffers), the parameter
+  gradients they produced are ``None``.
+* ``flush``: each root reduction's input is ``input + pending`` (a graph input per unit).
+
+Model-parallel reductions (tensor parallelism's gradient all-reduces) always run: no_sync
+is a data-parallel notion, as in torch's FSDP and DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Iterator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from graphshard._compat import c10d
+
+log = logging.getLogger(__name__)
+
+_REDUCTIONS = frozenset({c10d.reduce_scatter_tensor.default, c10d.all_reduce.default,
+                         c10d.all_to_all_single.default})
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Within the context, backward passes of the sharded ``model`` accumulate gradients
+    locally without data-parallel communication; the first backward after it reduces the
+    accumulated gradients with its own (torch's ``FSDP.no_sync`` / ``DDP.no_sync``).
+    Forward and backward must both run inside the context; gradients of unsharded
+    (replicated) units accumulate unreduced too, and so need the synchronizing backward
+    before the optimizer step."""
+    from graphshard.storage import state_of
+
+    state = state_of(model)
+    if state is None:
+        raise ValueError(f"no_sync: {type(model).__name__} is not sharded by graphshard; call graphshard.compile "
+                         "(or wrap it with graphshard.fsdp.FullyShardedDataParallel) first")
+    prev = state.sync_gradients
+    state.sync_gradients = False
+    try:
+        yield
+    finally:
+        state.sync_gradients = prev
+
+
+def root_reductions(gm: fx.GraphModule, model_parallel_groups: set[str], param_outputs: set[int]) -> list[fx.Node]:
+    """The data-parallel gradient reductions of a backward graph that no other one feeds (a
+    hybrid unit's all-reduce over the replicate axis follows its reduce-scatter: only the
+    reduce-scatter is a root). A reduction whose results reach anything but the outputs at
+    ``param_outputs`` (gradients of parameter shards) is not a gradient reduction to skip."""
+    out_node = gm.graph.find_nodes(op="output")[0]
+    outputs = out_node.args[0]
+    candidates = [n for n in gm.graph.nodes if n.target in _REDUCTIONS and n.args[-1] not in model_parallel_groups]
+    below = {r: _descendants(r) for r in candidates}
+    roots = []
+    for r in candidates:
+        if any(r in below[c] for c in candidates if c is not r):
+            continue
+        reached = [i for i, o in enumerate(outputs) if isinstance(o, fx.Node) and o in below[r]]
+        if reached and set(reached) <= param_outputs:
+            roots.append(r)
+    return roots
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [node]
+    while stack:
+        for u in stack.pop().users:
+            if u not in seen and u.op != "output":
+                seen.add(u)
+                stack.append(u)
+    return seen
+
+
+def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list]:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    out = graph.graph_copy(gm.graph, env)
+    return graph, env, list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def accumulate_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModule:
+    """``gm`` without ``roots`` and what follows them; their inputs appended to the outputs."""
+    graph, env, outs = _copy(gm)
+    removed = set().union(*(_descendants(env[r]) | {env[r]} for r in roots))
+    for n in removed:
+        extern = [u for u in n.users if u not in removed and u.op != "output"]
+        assert not extern, f"no_sync: {n.name} feeds {extern[0].name}, which is not part of a gradient reduction"
+    outs = [None if isinstance(o, fx.Node) and o in removed else o for o in outs]
+    graph.output(tuple(outs + [env[r.args[0]] for r in roots]))
+    for n in reversed(list(graph.nodes)):
+        if n in removed:
+            graph.erase_node(n)
+    return fx.GraphModule(gm, graph)
+
+
+def flush_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModule:
+    """``gm`` with one more input per root reduction, added to what the reduction sends."""
+    graph, env, outs = _copy(gm)
+    last = list(graph.find_nodes(op="placeholder"))[-1]
+    for i, r in enumerate(roots):
+        r2, x = env[r], env[r.args[0]]
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"pending_grads_{i}")
+        last.meta["val"] = x.meta["val"]
+        with graph.inserting_before(r2):
+            total = graph.call_function(torch.ops.aten.add.Tensor, (x, last))
+        total.meta.update(x.meta)
+        r2.args = (total, *r2.args[1:])
+    graph.output(tuple(outs))
+    return fx.GraphModule(gm, graph)
+
+
+class GradSync:
+    """The backward, in aot_autograd's boxed convention: ``plain``, or, while the model's
+    ``sync_gradients`` is off, ``accumulate`` (keeping the pending buffers), then ``flush``
+    on the first synchronizing call. The two derived programs are lowered by ``lower`` on
+    their first use and kept."""
+
+    _boxed_call = True
+
+    def __init__(self, plain: Callable, accumulate: fx.GraphModule, flush: fx.GraphModule, inputs: list,
+                 states: list, lower: Callable[[fx.GraphModule, list], Callable]):
+        self.plain = plain
+        self.graphs = {"accumulate": (accumulate, inputs),
+                       "flush": (flush, inputs + [ph.meta["val"] for ph in flush.graph.find_nodes(op="placeholder")
+                                                   ][len(inputs):])}
+        self.n_extra = len(flush.graph.find_nodes(op="placeholder")) - len(inputs)
+        self.states = states
+        self.lower = lower
+        self.compiled: dict[str, Callable] = {}
+        self.pending: list[torch.Tensor] | None = None
+
+    def _program(self, name: str) -> Callable:
+        if name not in self.compiled:
+            graph, inputs = self.graphs[name]
+            log.info("no_sync: lowering the %s backward program", name)
+            self.compiled[name] = self.lower(graph, inputs)
+        return self.compiled[name]
+
+    def __call__(self, args: list):
+        if any(not s.sync_gradients for s in self.states):
+            outs = list(_call(self._program("accumulate"), args))
+            extra, outs = outs[len(outs) - self.n_extra:], outs[:len(outs) - self.n_extra]
+            if self.pending is None:
+                self.pending = extra
+            else:
+                for acc, g in zip(self.pending, extra):
+                    acc.add_(g)
+            return outs
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            return _call(self._program("flush"), list(args) + pending)
+        return _call(self.plain, args)
+
+
+def _call(fn: Callable, args: list):
+    if getattr(fn, "_boxed_call", False):
+        return fn(args)
+    out = fn(*args)
+    args.clear()
+    return out
