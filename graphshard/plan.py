@@ -18,7 +18,7 @@ import difflib
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Iterable, Mapping, Union
 
 import torch
 import torch.nn as nn
@@ -152,10 +152,16 @@ class Plan:
     - ``"nccl"``: NCCL's forms on every backend. On gloo this runs, op for op, the
       collectives a GPU run issues, so CPU-only CI exercises that path; it costs gloo
       an extra copy per gather and an all-reduce per reduce-scatter.
+
+    ``ignored_params``: parameter FQN globs (``"head.**"``: every parameter under ``head``)
+    that graphshard leaves as they are, as FSDP's ignored modules and parameters: not
+    sharded, not gathered, their gradients not reduced (each rank keeps its own), plain
+    tensors in ``named_parameters()`` and ``state_dict()``. A parameter reachable under
+    several FQNs is ignored when any of them matches.
     """
 
     def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False,
-                 collectives: str = "auto"):
+                 collectives: str = "auto", ignored_params: Iterable[str] = ()):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
@@ -180,6 +186,10 @@ class Plan:
         self.rules = dict(rules)
         self.strict = strict
         self.collectives = collectives
+        if isinstance(ignored_params, str) or not all(isinstance(g, str) for g in ignored_params):
+            raise ValueError(f"Plan(ignored_params={ignored_params!r}): expected parameter FQN globs (strings), "
+                             "e.g. ('head.**', 'emb.weight')")
+        self.ignored_params = tuple(ignored_params)
         # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
         self.tp_axis = TP_AXIS if TP_AXIS in axes or len(axes) != 1 else axes[0]
         mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}
@@ -220,7 +230,8 @@ class Plan:
 
     def __repr__(self) -> str:
         forms = "" if self.collectives == "auto" else f", collectives={self.collectives!r}"
-        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r}{forms})"
+        ignored = f", ignored_params={self.ignored_params!r}" if self.ignored_params else ""
+        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r}{forms}{ignored})"
 
 
 @dataclass(frozen=True)
@@ -302,6 +313,7 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
     for fqn, p in params_by_fqn.items():
         fqns_of.setdefault(id(p), []).append(fqn)
         param_of[id(p)] = p
+    ignored = _ignored(plan, params_by_fqn)
 
     # Bottom-up ownership: deepest unit first.
     owner: dict[int, tuple[str, UnitSpec]] = {}
@@ -342,6 +354,11 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
     orphans = []
     for pid, fqns in fqns_of.items():
         p = param_of[pid]
+        if pid in ignored:
+            if pid in mp_place:
+                raise ValueError(f"parameter {fqns[0]!r} is in ignored_params and also laid out by a model-parallel "
+                                 "spec; drop one of the two")
+            continue
         unit, spec = owner.get(pid, (None, None))
         if plan.data_parallel_axes and unit is None:
             orphans.append(fqns[0])
@@ -368,3 +385,15 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
             "a FullyShard() or Replicate() owner on a data-parallel mesh: add a root key, e.g. {'': FullyShard()}"
         )
     return Resolution(layouts, io)
+
+
+def _ignored(plan: Plan, params_by_fqn: dict[str, nn.Parameter]) -> set[int]:
+    """Identities of the parameters ``plan.ignored_params`` names; a glob naming none is an error."""
+    out = set()
+    for pattern in plan.ignored_params:
+        hits = [p for fqn, p in params_by_fqn.items() if fqn_match(fqn, pattern)]
+        if not hits:
+            close = difflib.get_close_matches(pattern, list(params_by_fqn), n=3, cutoff=0.4)
+            raise ValueError(f"ignored_params entry {pattern!r} matches no parameter; closest FQNs: {close or 'none'}")
+        out.update(id(p) for p in hits)
+    return out

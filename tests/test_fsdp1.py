@@ -22,6 +22,8 @@ TWO_RANK = [
     "transformer:no_shard:none:flat",
     "transformer:full_shard:pre:orig:accum:clip",
     "transformer:shard_grad_op:pre:flat:accum",
+    "transformer:full_shard:pre:flat:ignore",
+    "transformer:shard_grad_op:pre:orig:ignorestates",
     "llama:full_shard:pre:orig:clip",
 ]
 FOUR_RANK = ["transformer:hybrid_shard:pre:flat:clip", "transformer:_hybrid_shard_zero2:pre:orig"]
@@ -40,14 +42,26 @@ def results():
 pytestmark = pytest.mark.multirank
 
 
-@pytest.mark.parametrize("case", TWO_RANK + FOUR_RANK)
+IGNORING = [c for c in TWO_RANK if ":ignore" in c]
+"""Cases with ignored modules / parameters: their gradients are not reduced (each rank trains
+its own copy), so both wrappers differ from the single process, and must agree with each other."""
+
+
+@pytest.mark.parametrize("case", IGNORING)
+def test_ignored_parameters_are_not_reduced_as_in_torch(results, case):
+    r = results[case]
+    assert r["between_param_err"] < TOL and r["between_loss_err"] < TOL, r
+    assert r["graphshard_param_err"] > 1e-4 and r["torch_param_err"] > 1e-4, r  # not averaged over the ranks
+
+
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK if c not in IGNORING])
 def test_graphshard_fsdp_matches_the_single_process(results, case):
     r = results[case]
     assert r["graphshard_loss_err"] < TOL and r["graphshard_param_err"] < TOL and r["graphshard_norm_err"] < TOL, r
     assert r["graphshard_keys_match"], r
 
 
-@pytest.mark.parametrize("case", TWO_RANK + FOUR_RANK)
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK if c not in IGNORING])
 def test_torch_fsdp1_on_the_same_program(results, case):
     """torch's own wrapper on the same program: equal to graphshard's, or wrong where noted."""
     r = results[case]
@@ -174,3 +188,18 @@ def _wrap_plain(model, **kwargs):
     from graphshard.fsdp import FullyShardedDataParallel as FSDP
 
     return FSDP(model, **kwargs)
+
+
+def test_ignored_states_mixing_modules_and_parameters_is_an_error():
+    model = _model()
+    with pytest.raises(ValueError, match="all parameters or all modules"):
+        _wrap(model, ignored_states=[model.norm, model.output.weight])
+
+
+def test_ignored_module_stays_a_plain_module():
+    from torch.distributed.tensor import DTensor
+
+    model = _model()
+    fsdp = _wrap(model, ignored_modules=[model.norm], use_orig_params=True)
+    assert not isinstance(model.norm.weight, DTensor) and model.norm.weight.shape == (16,)
+    assert isinstance(model.output.weight, DTensor)

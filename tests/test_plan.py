@@ -104,3 +104,15 @@ def test_strided_shard_is_stored_as_dtensors_strided_shard():
     w = model.fc1.weight
     assert w.shape == (32, 16) and w.to_local().shape == (8, 16)
     assert type(w.placements[0]).__name__ == "_StridedShard" and w.placements[0].split_factor == 2
+
+
+def test_ignored_params_leave_parameters_alone_and_name_a_glob_that_matches_nothing():
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor
+
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}, ignored_params=["1.**"])
+    model = graphshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), plan)
+    assert isinstance(model[0].weight, DTensor) and not isinstance(model[1].weight, DTensor)
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}, ignored_params=["2.**"])
+    with pytest.raises(ValueError, match=r"ignored_params entry '2\.\*\*' matches no parameter"):
+        graphshard.shard(nn.Sequential(nn.Linear(4, 4)), plan)

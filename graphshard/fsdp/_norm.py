@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from graphshard.fsdp._wrapper import _local_grad
 
@@ -22,22 +23,34 @@ def clip_grad_norm(root, max_norm: float, norm_type: float = 2.0) -> torch.Tenso
         if g is None:
             continue
         grads.append(g)
-        (sharded if info.shard is not None else replicated).append(g.float())
+        (sharded if info.shard is not None else replicated).append(g)
+    managed = {id(p) for p in model.parameters() if isinstance(p, DTensor)} | {id(f.param) for f in state.flat.values()}
+    for p in model.parameters():  # ignored parameters: local, counted once per rank (as torch's FSDP)
+        if id(p) not in managed and p.grad is not None:
+            grads.append(p.grad)
+            replicated.append(p.grad)
     group = root.process_group
     if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in sharded]).max() if sharded else torch.zeros(())
-        if sharded:
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = torch.stack([local, *(g.abs().max() for g in replicated)]).max()
+        total = _norm(sharded + replicated, norm_type)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        local = sum((g.abs() ** norm_type).sum() for g in sharded) if sharded else torch.zeros(())
-        local = torch.as_tensor(local, dtype=torch.float32)
-        dist.all_reduce(local, group=group)
-        rep = sum((g.abs() ** norm_type).sum() for g in replicated) if replicated else 0.0
-        total = (local + rep) ** (1.0 / norm_type)
+        total = _norm(sharded, norm_type) ** norm_type
+        dist.all_reduce(total, group=group)
+        if replicated:
+            total += _norm(replicated, norm_type) ** norm_type
+        total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for g in grads:  # views of a flat gradient scale it in place
             g.mul_(coef.to(g.dtype))
     dtypes = {g.dtype for g in grads}
     return total.to(dtypes.pop()) if len(dtypes) == 1 else total
+
+
+def _norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grads`` as one vector, in fp32: the norm of the per-tensor
+    norms (torch's order of summation, so both wrappers round alike)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32)
+                                                 for g in grads]), norm_type, dtype=torch.float32)

@@ -118,7 +118,7 @@ class StateDictMixin:
             return out
         values = self._param_values(kind, cfg)
         rank0_only = kind == StateDictType.FULL_STATE_DICT and cfg.rank0_only and dist.get_rank() != 0
-        buffers = dict(self._fsdp_wrapped_module.named_buffers(remove_duplicate=False))
+        buffers = self._unmanaged_by_fqn()
         for key in self._sd_keys:
             if key in values:
                 v = values[key]
@@ -163,7 +163,7 @@ class StateDictMixin:
         unexpected = [k for k in state_dict if k not in expected]
         if strict and (missing or unexpected):
             raise RuntimeError(_load_error(type(model).__name__, missing, unexpected))
-        buffers = dict(model.named_buffers(remove_duplicate=False))
+        buffers = self._unmanaged_by_fqn()
         with torch.no_grad():
             for info in self._graphshard.infos.values():
                 fqn = next((f for f in info.layout.fqns if f in state_dict), None)
@@ -185,6 +185,17 @@ class StateDictMixin:
                     v = state_dict[key]
                     b.copy_(v.full_tensor() if isinstance(v, DTensor) else v)
         return _compat.incompatible_keys(missing, unexpected)
+
+    def _unmanaged_by_fqn(self) -> dict[str, torch.Tensor]:
+        """Buffers and the parameters graphshard leaves alone (FSDP's ignored ones), by the
+        user's FQNs: saved and loaded as the plain tensors they are."""
+        from graphshard.fsdp._wrapper import clean_fqn
+
+        model = self._fsdp_wrapped_module
+        out = {clean_fqn(k): p for k, p in nn.Module.named_parameters(model, remove_duplicate=False)
+               if not isinstance(p, DTensor) and not k.endswith(FLAT_PARAM)}
+        out.update((clean_fqn(k), b) for k, b in nn.Module.named_buffers(model, remove_duplicate=False))
+        return out
 
 
 def _default_settings() -> StateDictSettings:

@@ -98,15 +98,10 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
                 "(ignored_states takes the modules and parameters together)"
             )
         ignored = _ignored(module, ignored_modules, ignored_states)
-        if ignored[0] or ignored[1]:
-            raise NotImplementedError(
-                "graphshard.fsdp: ignored_modules / ignored_states are not supported yet; leave those modules "
-                "out of the wrapped model or use torch's FSDP for them"
-            )
         mesh = _mesh_for(strategy, process_group, device_mesh, device_id)
-        _materialize(module, param_init_fn, mesh.device_type)
+        _materialize(module, param_init_fn, mesh.device_type, ignored[0])
         if sync_module_states:
-            _broadcast_from_rank0(module, mesh)
+            _broadcast_from_rank0(module, ignored)
         _original_state_dict_keys = list(module.state_dict().keys())
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}
         self._fsdp_wrapped_module = module
@@ -116,7 +111,8 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
             unit_strategy = overrides.get("sharding_strategy", strategy)
             unit_mp = overrides.get("mixed_precision", mixed_precision)
             specs[fqn] = _unit_spec(unit_strategy, unit_mp, use_orig_params, mesh)
-        plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()})
+        plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()},
+                    ignored_params=_ignored_globs(module, *ignored))
         shard(module, plan)
         state = state_of(module)
         if not state.units:
@@ -348,6 +344,10 @@ def _check_module(module) -> None:
 
 def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, set]:
     mods, params = set(), set()
+    kinds = {type(x) is nn.Parameter or isinstance(x, nn.Parameter) for x in ignored_states or ()}
+    if len(kinds) > 1:
+        raise ValueError("ignored_states takes all parameters or all modules, as torch's FSDP; got both: pass the "
+                         "modules' parameters instead of the modules (or only modules)")
     for x in list(ignored_modules or ()) + list(ignored_states or ()):
         if isinstance(x, nn.Module):
             if isinstance(x, FullyShardedDataParallel):
@@ -358,6 +358,24 @@ def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, s
         else:
             raise ValueError(f"ignored_states takes modules and parameters, got {type(x).__name__}")
     return mods, params
+
+
+def _ignored_globs(module: nn.Module, modules: set, params: set) -> list[str]:
+    """Plan ``ignored_params`` globs for FSDP's ignored modules (every parameter under them)
+    and ignored parameters (their FQNs)."""
+    if module in modules:
+        raise ValueError("ignored_modules contains the wrapped module itself; FullyShardedDataParallel would have "
+                         "nothing to shard: leave it unwrapped instead")
+    named = dict(module.named_modules(remove_duplicate=False))
+    globs = [_exact_glob(fqn) + ".**" for fqn, m in named.items() if m in modules and any(True for _ in m.parameters())]
+    for fqn, p in module.named_parameters(remove_duplicate=False):
+        if p in params:
+            globs.append(_exact_glob(fqn))
+    missing = params - set(module.parameters())
+    if missing:
+        raise ValueError(f"ignored_states has {len(missing)} parameter(s) that are not in the wrapped "
+                         f"{type(module).__name__}; pass only its own parameters")
+    return globs
 
 
 def _mesh_for(strategy: ShardingStrategy, process_group, device_mesh, device_id) -> DeviceMesh:
@@ -464,17 +482,20 @@ def _cast_floating(tree, dtype: torch.dtype):
         torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
 
 
-def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
+def _materialize(module: nn.Module, param_init_fn, device_type: str, ignored: set) -> None:
     """Meta-device modules: ``param_init_fn`` on each module holding meta tensors, else
-    ``to_empty`` + ``reset_parameters`` per module, children never re-initialized."""
-    has_meta = any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
+    ``to_empty`` + ``reset_parameters`` per module, children never re-initialized; ignored
+    modules are left as they are (as torch's FSDP)."""
+    ignored = {m for top in ignored for m in top.modules()}
+    has_meta = any(t.is_meta for m in module.modules() if m not in ignored
+                   for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)))
     if not has_meta:
         if param_init_fn is not None:
             raise ValueError("param_init_fn is for modules on the meta device; this module has no meta tensors")
         return
     for m in module.modules():
         own = list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
-        if not any(t.is_meta for t in own):
+        if m in ignored or not any(t.is_meta for t in own):
             continue
         if param_init_fn is not None:
             param_init_fn(m)
@@ -488,7 +509,12 @@ def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
             reset()
 
 
-def _broadcast_from_rank0(module: nn.Module, mesh: DeviceMesh) -> None:
+def _broadcast_from_rank0(module: nn.Module, ignored: tuple[set, set]) -> None:
+    """``sync_module_states``: every managed parameter and buffer from global rank 0 (ignored
+    modules' and parameters' stay as each rank has them, as torch's FSDP)."""
+    skip = {m for top in ignored[0] for m in top.modules()}
+    tensors = {id(t): t for m in module.modules() if m not in skip
+               for t in itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False)) if t not in ignored[1]}
     with torch.no_grad():
-        for t in itertools.chain(module.parameters(), module.buffers()):
+        for t in tensors.values():
             dist.broadcast(t.data, src=0)

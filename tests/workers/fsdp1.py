@@ -5,7 +5,12 @@ transformers, tiny config); ``strategy`` a ShardingStrategy name in lower case (
 shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backward_prefetch``);
 ``params`` flat | orig (``use_orig_params``). Flags: ``clip`` (``clip_grad_norm_`` at 0.05 each
 step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``), ``accum``
-(each step accumulates two micro-batches, the first inside ``no_sync()``).
+(each step accumulates two micro-batches, the first inside ``no_sync()``), ``ignore``
+(``ignored_modules=[layers[0].ffn]``), ``ignorestates`` (``ignored_states=[norm.weight,
+output.weight]``): ignored parameters are not reduced, so the wrappers are compared with each
+other, not with the single process (and not with ``clip``: the total norm then differs per
+rank, and which elements each rank's coefficient scales depends on the shard layout, torch's
+flat chunks or graphshard's rows).
 
 The same user program (`train`) runs three times on one batch stream: with torch's
 ``FullyShardedDataParallel``, with ``graphshard.fsdp.FullyShardedDataParallel`` (only the class
@@ -55,7 +60,12 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), **args["fsdp"])
+    kwargs = dict(args["fsdp"])
+    if args["ignore"] == "ignore":
+        kwargs["ignored_modules"] = [model.layers[0].ffn]
+    elif args["ignore"] == "ignorestates":
+        kwargs["ignored_states"] = [model.norm.weight, model.output.weight]
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), **kwargs)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
     losses, norms, reductions, synced = [], [], [], []
     for step in range(STEPS):
@@ -127,7 +137,7 @@ def run_case(case: str) -> dict:
     torch._dynamo.reset()
     per_rank = 2
     args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags,
-            "accum": "accum" in flags}
+            "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None)}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name)
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
@@ -142,6 +152,7 @@ def run_case(case: str) -> dict:
             out[f"{name}_error"] = f"{type(e).__name__}: {e}"[:500]
             continue
         results[name] = sd
+        out[f"{name}_losses"], out[f"{name}_norms"] = losses, norms
         out[f"{name}_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
         out[f"{name}_norm_err"] = max((abs(a - b) for a, b in zip(norms, ref_norms)), default=0.0)
         out[f"{name}_param_err"] = _diff(sd, ref_sd)
@@ -150,6 +161,9 @@ def run_case(case: str) -> dict:
         out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"] = reductions
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
+        out["between_loss_err"] = max(abs(a - b) for a, b in zip(out["graphshard_losses"], out["torch_losses"]))
+        out["between_norm_err"] = max((abs(a - b) for a, b in zip(out["graphshard_norms"], out["torch_norms"])),
+                                      default=0.0)
     return out
 
 
