@@ -256,6 +256,14 @@ def in_autograd_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def fsdp_default_hooks():
+    """torch's FSDP default communication hooks (``allreduce_hook``, ``reduce_scatter_hook``,
+    ``fp16_compress_hook``, ``bf16_compress_hook``): the module users take them from."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    return default_hooks
+
+
 def incompatible_keys(missing: list[str], unexpected: list[str]):
     """``nn.Module.load_state_dict``'s result type, with these key lists."""
     from torch.nn.modules.module import _IncompatibleKeys

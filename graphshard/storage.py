@@ -43,6 +43,7 @@ class ShardedState:
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     flat: dict[str, "FlatUnit"] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
+    owners: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)  # key -> (module holding it, attribute)
 
     def info_for_fqn(self, fqn: str) -> ParamInfo:
         for info in self.infos.values():
@@ -87,13 +88,18 @@ def stored_local(model: nn.Module, info: ParamInfo) -> torch.Tensor:
     """The tensor that holds this rank's shard of ``info``'s parameter in ``model`` (the sharded
     root): the DTensor parameter's local tensor, or its view of the unit's flat parameter.
     Writing into it changes the model."""
-    owner, _, name = info.layout.fqns[0].rpartition(".")
-    mod = model.get_submodule(owner)
+    mod, name = owner_of(model, info)
     flat = mod.__dict__.get("_graphshard_flat", {})
     if name in flat:
         unit, slot = flat[name]
         return unit.local(slot)
     return mod._parameters[name]._local_tensor
+
+
+def owner_of(model: nn.Module, info: ParamInfo) -> tuple[nn.Module, str]:
+    """The module that holds ``info``'s parameter and the attribute name, as sharded (the
+    module object itself, wherever a frontend has since moved it in the tree)."""
+    return state_of(model).owners[info.key]
 
 
 def state_of(model: nn.Module) -> ShardedState | None:
@@ -192,11 +198,13 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
             for unit, keys in units.items() if getattr(infos[keys[0]].layout.unit_spec, "flat_params", False)}
     slot_of = {slot.key: (fu, slot) for fu in flat.values() for slot in fu.slots}
     tp_axis = plan.tp_axis
+    owners: dict[str, tuple[nn.Module, str]] = {}
     for mod in model.modules():  # modules() deduplicates shared modules
         names, flat_names = {}, {}
         for pname, p in list(mod._parameters.items()):
             if p is not None and id(p) in replacements:
                 names[pname] = key_of[id(p)]
+                owners.setdefault(names[pname], (mod, pname))
                 if names[pname] in slot_of:
                     del mod._parameters[pname]
                     flat_names[pname] = slot_of[names[pname]]
@@ -208,7 +216,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
         if names or bound is not None or mod is model:
             _install(mod, keys=names, io=bound, root=mod is model)
-    state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units, flat=flat)
+    state = ShardedState(plan=plan, model_id=model_id, infos=infos, units=units, flat=flat, owners=owners)
     register(list(infos.values()), model)
     model._graphshard = state
     _STATES[model_id] = state

@@ -39,7 +39,7 @@ from graphshard.grad_sync import no_sync
 from graphshard.ops import _gather_logical, local_chunk
 from graphshard.params import ParamInfo
 from graphshard.plan import FullyShard, Plan, Replicate
-from graphshard.storage import FLAT_PARAM, in_forward, shard, state_of, stored_local
+from graphshard.storage import FLAT_PARAM, in_forward, owner_of, shard, state_of, stored_local
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
@@ -99,13 +99,20 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
             )
         ignored = _ignored(module, ignored_modules, ignored_states)
         mesh = _mesh_for(strategy, process_group, device_mesh, device_id)
+        if cpu_offload is not None and cpu_offload.offload_params and mesh.device_type != "cpu":
+            raise NotImplementedError(
+                "graphshard.fsdp: CPUOffload(offload_params=True) on a GPU mesh is not supported yet (sharded "
+                "parameters stay on the device); drop cpu_offload, or shard over more ranks to fit the model"
+            )
         _materialize(module, param_init_fn, mesh.device_type, ignored[0])
         if sync_module_states:
             _broadcast_from_rank0(module, ignored)
         _original_state_dict_keys = list(module.state_dict().keys())
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}
         self._fsdp_wrapped_module = module
-        units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1])
+        full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
+        units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1],
+                             full_precision_classes=full_precision)
         specs = {}
         for fqn, _mod, overrides in units:
             unit_strategy = overrides.get("sharding_strategy", strategy)
@@ -132,9 +139,13 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
             if fqn == "":
                 continue
             wrapper = FullyShardedDataParallel._unit(mod, fqn, self)
+            wrapper._full_precision = bool(full_precision) and isinstance(mod, tuple(set(full_precision)))
             for parent, name in children.get(id(mod), ()):
                 parent._modules[name] = wrapper
         self._sd_keys = list(_original_state_dict_keys)
+        if mixed_precision is not None:
+            _cast_buffers(module, mixed_precision.buffer_dtype, ignored[0],
+                          full_precision if auto_wrap_policy is not None else ())
         self.compile(backend=functools.partial(graphshard_backend, config=self._compile_config()))
 
     @classmethod
@@ -147,6 +158,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         unit.__dict__["_root"] = root  # not a submodule
         unit._graphshard = root._graphshard
         unit._config = root._config
+        unit._full_precision = False
         return unit
 
     def _compile_config(self) -> CompileConfig:
@@ -185,6 +197,12 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         return self._modules[WRAPPED].__getitem__(key)
 
     def forward(self, *args, **kwargs):
+        if self.__dict__.get("_full_precision"):
+            # a module of MixedPrecision._module_classes_to_ignore: computes in fp32, hands its
+            # output back in its input's dtype (torch's FSDP does this with forward hooks)
+            dtype = _floating_dtype((args, kwargs))
+            out = self._fsdp_wrapped_module(*_cast_floating(args, torch.float32), **_cast_floating(kwargs, torch.float32))
+            return out if dtype is None else _cast_floating(out, dtype)
         mp = self._config.mixed_precision
         if mp is not None and mp.param_dtype is not None and (
                 mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)):
@@ -276,6 +294,32 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
                         info = root._graphshard.infos[key]
                         stored_local(model, info).copy_(local_of_full(p.detach(), info))
 
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch's FSDP hook on the gradient reduction. graphshard compiles the reduction into
+        the backward program, so it cannot call a Python hook there: torch's default reductions
+        (``default_hooks.allreduce_hook`` for NO_SHARD, ``reduce_scatter_hook`` otherwise) are
+        what it runs already and are accepted; every other hook is refused, naming the
+        equivalent setting where one exists (the compress hooks: ``MixedPrecision(reduce_dtype=...)``)."""
+        if not self._is_root:
+            raise AssertionError("register_comm_hook can only be called on the root FullyShardedDataParallel instance")
+        default_hooks = _compat.fsdp_default_hooks()
+        name = getattr(hook, "__name__", type(hook).__name__)
+        expected = "allreduce_hook" if self._config.strategy == ShardingStrategy.NO_SHARD else "reduce_scatter_hook"
+        if hook is getattr(default_hooks, expected):
+            return  # graphshard's own reduction
+        compress = {"fp16_compress_hook": "torch.float16", "bf16_compress_hook": "torch.bfloat16"}
+        if name in compress:
+            raise NotImplementedError(
+                f"graphshard.fsdp runs the gradient reduction inside the compiled backward and cannot call {name}; "
+                f"MixedPrecision(reduce_dtype={compress[name]}) reduces in that dtype the same way: pass it to "
+                "FullyShardedDataParallel instead of registering the hook"
+            )
+        raise NotImplementedError(
+            f"graphshard.fsdp cannot run the communication hook {name!r}: the gradient reduction is compiled into the "
+            "backward program (one reduce-scatter or all-reduce per unit). Use torch's FullyShardedDataParallel for "
+            "custom hooks, or express the change as MixedPrecision(reduce_dtype=...)"
+        )
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Within the context, backward passes accumulate gradients on each rank without
@@ -310,8 +354,7 @@ def local_of_full(full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
 
 
 def _local_grad(model: nn.Module, info: ParamInfo) -> torch.Tensor | None:
-    owner, _, name = info.layout.fqns[0].rpartition(".")
-    mod = model.get_submodule(owner)
+    mod, name = owner_of(model, info)
     flat = mod.__dict__.get("_graphshard_flat", {})
     if name in flat:
         unit, slot = flat[name]
@@ -480,6 +523,27 @@ def _relative(fqn: str, unit_fqn: str) -> str:
 def _cast_floating(tree, dtype: torch.dtype):
     return torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
+
+
+def _cast_buffers(module: nn.Module, dtype: torch.dtype | None, ignored: set, full_precision: tuple) -> None:
+    """``MixedPrecision.buffer_dtype``: the buffers of managed modules held in ``dtype`` (state
+    dicts save them in their original dtype, as torch's FSDP); those of ignored modules and of
+    the full-precision units (``_module_classes_to_ignore``) keep theirs."""
+    if dtype is None:
+        return
+    tops = set(ignored) | {m for m in module.modules() if full_precision and isinstance(m, tuple(set(full_precision)))}
+    skip = {m for top in tops for m in top.modules()}
+    for m in module.modules():
+        if m in skip:
+            continue
+        for name, b in m._buffers.items():
+            if b is not None and torch.is_floating_point(b):
+                m._buffers[name] = b.to(dtype)
+
+
+def _floating_dtype(tree) -> torch.dtype | None:
+    leaves = [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return leaves[0].dtype if leaves else None
 
 
 def _materialize(module: nn.Module, param_init_fn, device_type: str, ignored: set) -> None:

@@ -63,6 +63,7 @@ def decide_units(
     *,
     ignored_modules: Iterable[nn.Module] = frozenset(),
     ignored_params: Iterable[nn.Parameter] = frozenset(),
+    full_precision_classes: tuple[type[nn.Module], ...] = (),
 ) -> list[Unit]:
     """The units ``torch.distributed.fsdp.FullyShardedDataParallel(root,
     auto_wrap_policy=policy, ignored_modules=..., ignored_states=...)`` creates, as
@@ -73,6 +74,10 @@ def decide_units(
     As in torch, the subtrees of ``ignored_modules`` are never wrapped, and their
     parameters and ``ignored_params`` count in no ``nonwrapped_numel``. ``policy=None``
     wraps the root only. ``root`` is not changed.
+
+    ``full_precision_classes`` (``MixedPrecision._module_classes_to_ignore`` when mixed
+    precision is on): with a policy, every module of these classes is a unit of its own too,
+    with the override ``mixed_precision=None``, as torch's auto-wrapping makes them.
     """
     if policy is not None and not isinstance(policy, (ModuleWrapPolicy, CustomPolicy)) and not callable(policy):
         raise ValueError(
@@ -92,10 +97,22 @@ def decide_units(
                 "a model without FSDP applied (as in torch); pass the unwrapped module, or wrap manually "
                 "(enable_wrap/wrap) without an auto_wrap_policy"
             )
+    classes = tuple(set(full_precision_classes))
     if isinstance(policy, (ModuleWrapPolicy, CustomPolicy)):
-        units = _targeted_units(root, _policy_targets(policy, root, ignored))
+        targets = _policy_targets(policy, root, ignored)
+        for m in root.modules():
+            if classes and m not in ignored and isinstance(m, classes):
+                targets.setdefault(m, {})["mixed_precision"] = None
+        units = _targeted_units(root, targets)
     else:
+        if classes:
+            user_policy = policy
+
+            def policy(module, recurse, nonwrapped_numel):  # torch's _or_policy with _wrap_module_cls_individually
+                return recurse or isinstance(module, classes) or user_policy(
+                    module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
         units = _RecursiveWalk(policy, ignored, ignored_params).units(root)
+        units = [(f, m, {"mixed_precision": None} if classes and isinstance(m, classes) else o) for f, m, o in units]
     return units + [root_unit]
 
 

@@ -1,6 +1,6 @@
 """FSDP1 parity worker: ``torchrun --nproc-per-node N tests/workers/fsdp1.py CASE [CASE ...]``.
 
-Each CASE is ``model:strategy:prefetch:params[:flag ...]``: ``model`` transformer | llama (HF
+Each CASE is ``model:strategy:prefetch:params[:flag ...]``: ``model`` transformer | bn (a BatchNorm and a buffer) | llama (HF
 transformers, tiny config); ``strategy`` a ShardingStrategy name in lower case (full_shard,
 shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backward_prefetch``);
 ``params`` flat | orig (``use_orig_params``). Flags: ``clip`` (``clip_grad_norm_`` at 0.05 each
@@ -8,7 +8,9 @@ step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=Fal
 (each step accumulates two micro-batches, the first inside ``no_sync()``), ``ignore``
 (``ignored_modules=[layers[0].ffn]``), ``ignorestates`` (``ignored_states=[norm.weight,
 output.weight]``): ignored parameters are not reduced, so the wrappers are compared with each
-other, not with the single process (and not with ``clip``: the total norm then differs per
+other, not with the single process; ``cpuonly`` (``CPUOffload(offload_params=True)``,
+``sync_module_states=True``, no ``device_id``: torch's FSDP1 refuses each on a CPU-only build)
+(and ignored parameters not with ``clip``: the total norm then differs per
 rank, and which elements each rank's coefficient scales depends on the shard layout, torch's
 flat chunks or graphshard's rows).
 
@@ -41,8 +43,40 @@ def _reductions(prof) -> int:
 SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 
 
+class MLPBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(SMALL.dim, 2 * SMALL.dim)
+        self.fc2 = torch.nn.Linear(2 * SMALL.dim, SMALL.dim)
+
+    def forward(self, h):
+        return h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+class BNNet(torch.nn.Module):
+    """Token embeddings, MLP blocks, a BatchNorm (a ``_module_classes_to_ignore`` class) and a
+    registered buffer: the mixed-precision case."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(SMALL.vocab_size, SMALL.dim)
+        self.layers = torch.nn.ModuleList(MLPBlock() for _ in range(2))
+        self.bn = torch.nn.BatchNorm1d(SMALL.dim)
+        self.register_buffer("scale", torch.full((SMALL.dim,), 0.5))
+        self.out = torch.nn.Linear(SMALL.dim, SMALL.vocab_size)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        h = self.bn(h.transpose(1, 2)).transpose(1, 2) * self.scale
+        return self.out(h)
+
+
 def build(model_name: str):
     torch.manual_seed(0)
+    if model_name == "bn":
+        return BNNet(), MLPBlock, lambda out: out
     if model_name == "llama":
         import transformers
 
@@ -57,17 +91,28 @@ def build(model_name: str):
 
 def train(FSDP, model, block, logits, args: dict, sl: slice):
     """The user's program: wrap, train with SGD + momentum, read a full state dict."""
-    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import CPUOffload, FullStateDictConfig, MixedPrecision, StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     kwargs = dict(args["fsdp"])
+    if args["bf16"]:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                   buffer_dtype=torch.bfloat16)
     if args["ignore"] == "ignore":
         kwargs["ignored_modules"] = [model.layers[0].ffn]
     elif args["ignore"] == "ignorestates":
         kwargs["ignored_states"] = [model.norm.weight, model.output.weight]
-    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), device_id=torch.device("cpu"), **kwargs)
+    if args["cpuonly"]:  # what torch's FSDP1 cannot run without an accelerator
+        kwargs.update(cpu_offload=CPUOffload(offload_params=True), sync_module_states=True)
+        if dist.get_rank() != 0:  # sync_module_states must bring rank 0's values here
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p))
+    else:
+        kwargs["device_id"] = torch.device("cpu")
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), **kwargs)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
-    losses, norms, reductions, synced = [], [], [], []
+    losses, norms, reductions, synced, dtypes = [], [], [], [], set()
     for step in range(STEPS):
         if args["accum"]:  # gradient accumulation: a micro-batch without communication first
             x, y = token_batch(100 + step, args["batch"], SMALL.max_seq_len, SMALL.vocab_size, seed=1)
@@ -79,6 +124,8 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         with torch.profiler.profile() as prof:
             loss.backward()
         synced.append(_reductions(prof))
+        dtypes.update(str(p.dtype) for p in fsdp.parameters())
+        dtypes.update(str(p.grad.dtype) for p in fsdp.parameters() if p.grad is not None)
         if args["clip"]:
             norms.append(float(fsdp.clip_grad_norm_(0.05)))
         opt.step()
@@ -86,9 +133,10 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
+    buffers = {n: str(b.dtype) for n, b in fsdp.named_buffers()}  # torch casts them at the first forward
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         sd = fsdp.state_dict()
-    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced)
+    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced, sorted(dtypes), buffers)
 
 
 def reference(model, logits, args: dict):
@@ -137,7 +185,8 @@ def run_case(case: str) -> dict:
     torch._dynamo.reset()
     per_rank = 2
     args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags,
-            "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None)}
+            "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None),
+            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name)
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
@@ -158,7 +207,9 @@ def run_case(case: str) -> dict:
         out[f"{name}_param_err"] = _diff(sd, ref_sd)
         out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
         out[f"{name}_names"] = names
-        out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"] = reductions
+        (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
+         out[f"{name}_buffer_dtypes"]) = reductions
+        out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
         out["between_loss_err"] = max(abs(a - b) for a, b in zip(out["graphshard_losses"], out["torch_losses"]))
