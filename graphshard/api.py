@@ -19,7 +19,9 @@ def compile(
     plan: Plan,
     *,
     lower: Literal["inductor", "eager"] = "inductor",
-    limit_all_gathers: int = 2,
+    limit_all_gathers: int | None = 2,
+    forward_prefetch: bool = True,
+    backward_prefetch: Literal["pre", "post"] | None = "pre",
     regional: bool = True,
     strict: bool = False,
     dump_graphs: str | None = None,
@@ -30,9 +32,11 @@ def compile(
 
     The module keeps its FQNs (no wrapper prefix); its parameters are sharded
     DTensors; the first call traces and compiles forward and backward. The keywords are
-    ``CompileConfig``'s fields.
+    ``CompileConfig``'s fields; ``forward_prefetch``, ``backward_prefetch`` and
+    ``limit_all_gathers`` say where each unit's all-gather is issued (FSDP1's settings).
     """
-    config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, regional=regional, strict=strict,
+    config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, forward_prefetch=forward_prefetch,
+                           backward_prefetch=backward_prefetch, regional=regional, strict=strict,
                            dump_graphs=dump_graphs, batch_cpp_kernels=batch_cpp_kernels,
                            fast_isa_check=fast_isa_check)
     if state_of(model) is None:

@@ -10,9 +10,31 @@ from typing import Literal
 class CompileConfig:
     lower: Literal["inductor", "eager"] = "inductor"
     """'inductor' lowers forward and backward graphs with Inductor; 'eager' runs them as FX (debugging)."""
-    limit_all_gathers: int = 2
-    """Units whose all-gathers may be outstanding at once: the unit being computed plus
-    ``limit_all_gathers - 1`` prefetched ahead of it (FSDP's ``limit_all_gathers``). 1 disables prefetch."""
+    forward_prefetch: bool = True
+    """Where the forward graph issues each unit's parameter all-gather (FSDP1's
+    ``forward_prefetch``; units in the order of their first use). True: the next unit's
+    all-gather is issued right after the current unit's all-gather is waited, before the
+    current unit's compute, so it runs under that compute (with ``limit_all_gathers=L``, unit
+    k's all-gather follows the wait of unit k-L+1's). False: each unit's all-gather is issued
+    at its first use, right before the unit's compute and after the previous unit's compute."""
+    backward_prefetch: Literal["pre", "post"] | None = "pre"
+    """Where the backward graph issues the re-gathers of FULL_SHARD units, in backward order
+    (FSDP1's ``backward_prefetch``: BACKWARD_PRE, BACKWARD_POST, None). 'pre': the next
+    unit's all-gather is issued right after the current unit's all-gather is waited, before
+    the current unit's gradient computation that reads its parameters (gradient work that
+    needs none, such as its last matmul's weight gradient, may run first). 'post': right
+    after the current unit's gradient computation (every use of its gathered parameters and
+    the gradients its reduction reads). Under both, the current unit's gradient reduction is
+    issued after that all-gather, as FSDP1 orders them. None: each unit's all-gather is
+    issued at its first use. With ``limit_all_gathers=L``, "current" is unit k-L+1 for unit k."""
+    limit_all_gathers: int | None = 2
+    """Units whose all-gathers may be outstanding at once, in the forward and in the
+    backward: the unit being computed plus ``limit_all_gathers - 1`` gathered ahead of it
+    (FSDP1's ``limit_all_gathers=True`` keeps two: 2). A prefetched all-gather of unit k is
+    placed relative to unit k-L+1; the first L-1 units of a graph are issued at its start.
+    1 disables prefetch (every all-gather at its first use). None: unbounded (FSDP1's
+    ``limit_all_gathers=False``): with prefetch on, every unit's all-gather is issued at the
+    start of its graph, and all of that graph's gathered units may be alive at once."""
     regional: bool = True
     """With Inductor: lower each compute region between communication steps on its own and
     compile each distinct region once (the layers of a model share them), instead of one
@@ -44,5 +66,12 @@ class CompileConfig:
     def __post_init__(self):
         if self.lower not in ("inductor", "eager"):
             raise ValueError(f"lower={self.lower!r}: expected 'inductor' or 'eager'")
-        if self.limit_all_gathers < 1:
-            raise ValueError(f"limit_all_gathers={self.limit_all_gathers}: must be at least 1")
+        limit = self.limit_all_gathers
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit_all_gathers={limit!r}: expected an int >= 1 (1 disables prefetch) or None "
+                             "(unbounded); FSDP1's limit_all_gathers=True is 2, False is None")
+        if self.backward_prefetch not in ("pre", "post", None):
+            raise ValueError(f"backward_prefetch={self.backward_prefetch!r}: expected 'pre', 'post' or None "
+                             "(FSDP1's BackwardPrefetch.BACKWARD_PRE, BACKWARD_POST, None)")
+        if not isinstance(self.forward_prefetch, bool):
+            raise ValueError(f"forward_prefetch={self.forward_prefetch!r}: expected True or False")

@@ -23,6 +23,7 @@ class GraphReport:
     collectives: list[CollectiveRecord] = field(default_factory=list)
     units: dict[str, list[str]] = field(default_factory=dict)        # unit -> parameter FQNs
     order: dict[str, list[str]] = field(default_factory=dict)        # stage -> collective/compute order
+    schedule: dict[str, str] = field(default_factory=dict)           # stage -> prefetch settings that gave it
     lowered_order: dict[str, list[str]] = field(default_factory=dict)  # stage -> order in generated code
     regions: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> regional lowering counts
     fallbacks: list[str] = field(default_factory=list)
@@ -44,6 +45,8 @@ class GraphReport:
             for c in recs:
                 lines.append(f"    {c.kind:<15} axis={c.axis:<4} {_fmt_bytes(c.nbytes):>10}  for {c.cause}")
         for stage, order in self.order.items():
+            if stage in self.schedule:
+                lines.append(f"  scheduling ({stage}): {self.schedule[stage]}")
             lines.append(f"  order after scheduling ({stage}): {' -> '.join(order)}")
         for stage, order in self.lowered_order.items():
             lines.append(f"  order in lowered code ({stage}): {' -> '.join(order)}")

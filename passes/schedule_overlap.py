@@ -3,25 +3,40 @@
 Runs on aot_autograd's forward and backward graphs, where every collective is an
 explicit ``_c10d_functional`` start plus a ``wait_tensor``:
 
-- unit all-gathers are prefetched: the all-gather of the unit after next is
-  issued as soon as the wait of the current unit's all-gather is done, so the
-  next unit's gather runs under the current unit's compute. A hard edge keeps
-  at most ``limit_all_gathers`` units outstanding (the unit being computed and
-  ``limit_all_gathers - 1`` ahead of it);
+- unit all-gathers are issued where the prefetch settings say (``CompileConfig``'s
+  ``forward_prefetch`` for the forward graph, ``backward_prefetch`` for the backward's
+  re-gathers; units in the order of their first use in the graph, so "next" is the next
+  unit in program order). With ``limit_all_gathers = L`` (FSDP1's two: L = 2), a
+  prefetched all-gather of unit k is anchored on unit k-L+1 (the current unit when L = 2):
+  "pre" (and ``forward_prefetch=True``) issues it right after the anchor's all-gather is
+  waited, before the anchor's compute that reads its parameters; "post" right after the
+  anchor's gradient computation (every use of its gathered parameters and the inputs of
+  its gradient reduction). Under both, the anchor's gradient reduction starts after it:
+  FSDP1 prefetches in the pre-backward hook (pre) or in the post-backward hook before
+  reducing (post), so the next gather never queues behind the current unit's reduction on
+  one communicator. The first L-1 units have no anchor and are issued at
+  the start of the graph; with L = None none has one. ``None`` / ``False`` / L = 1 issue
+  every all-gather at its first use, after the previous unit's compute (a hard edge on
+  that unit's uses of its parameters);
 - every wait sits right before its first use; the waits of a coalesced
   all-gather (one per parameter, on gloo) sit together before the first use of
   any of them, and every one of its outputs is waited, used or not;
 - reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
-  for reduce-scatters on gloo) start as soon as their inputs exist; each one's
+  for reduce-scatters on gloo) start as soon as their inputs exist (and, for a prefetch
+  anchor, its prefetch has been issued); each one's
   wait comes right after the next of its kind starts (at most two in flight, as
   FSDP2 keeps them), the last one's before the graph's output.
 
-The order is a priority topological sort, so data dependencies always hold.
+The order is a priority topological sort, so data dependencies always hold. The
+all-gather placements are ordering edges to nodes that come before the gathered
+unit's first use in the traced program, never to later ones (a module applied twice
+is used again after the next unit), and an edge that data reverses is left out.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import operator
 
@@ -104,29 +119,22 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         (s for s in starts if _STARTS[s.target] == "all_gather" and waits[s] and _is_unit_gather(s)),
         key=lambda s: min(index[w] for w in waits[s]),
     )
-    limit = ctx.config.limit_all_gathers
-    for k, ag in enumerate(gathers if limit > 1 else []):  # limit 1: each gather stays at its use
-        chain = _exclusive_prep(ag) + [ag]
-        for n in chain:
-            key[n] = -math.inf
-        if k - (limit - 1) >= 0:
-            gate = waits[gathers[k - (limit - 1)]]
-            for n in chain:
-                if not any(a in chain for a in n.all_input_nodes):
-                    extra_deps.setdefault(n, []).extend(gate)
+    chains = {s: _gathered(s, waits[s]) for s in gathers}
+    uses = {s: [u for n in chain for u in n.users if u not in chain] for s, chain in chains.items()}
+    first_use = {s: min((index[u] for u in uses[s]), default=max(index[w] for w in waits[s])) for s in gathers}
+    mode = prefetch_mode(ctx.config, ctx.stage)
+    _place_gathers(gathers, mode, ctx.config.limit_all_gathers, starts, waits, uses, first_use, index, key,
+                   extra_deps)
     for s in starts:
         if not waits[s]:
             continue
-        if s in gathers:
+        if s in first_use:
             # A coalesced gather's waits (and the getitems before them) move together, to the
             # first use of any of its outputs: the unit's parameters arrive at one point, as a
             # bucket's do, and the compute between is not cut into pieces by waits.
-            picks = [g for g in s.users if g.target is operator.getitem]
-            chain = picks + [n for w in waits[s] for n in _view_chain(w)]
-            real_uses = [index[u] for n in chain for u in n.users if u not in chain]
-            first_use = min(real_uses, default=max(index[w] for w in waits[s]))
-            for n in chain:  # the waits first, then the views of what they return
-                key[n] = first_use - (0.75 if n in picks or n.target == _WAIT else 0.5)
+            for n in chains[s]:  # the waits first, then the views of what they return
+                key[n] = first_use[s] - (0.75 if n.target is operator.getitem and n.args[0] is s
+                                         or n.target == _WAIT else 0.5)
         elif _STARTS[s.target] in _REDUCTIONS and ctx.stage == "backward":
             w = waits[s][0]
             for n in _exclusive_prep(s) + [s]:
@@ -138,7 +146,127 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     order = _priority_topo(nodes, key, extra_deps)
     _reorder(g, order)
     _record(gm, ctx, gathers)
+    ctx.report.schedule[ctx.stage] = describe_settings(ctx.config, ctx.stage, len(gathers))
     return gm
+
+
+def prefetch_mode(config, stage: str) -> str | None:
+    """The prefetch setting in force for a graph: 'pre', 'post' or None (at first use)."""
+    if stage == "backward":
+        return config.backward_prefetch
+    return "pre" if config.forward_prefetch else None
+
+
+def describe_settings(config, stage: str, n_gathers: int) -> str:
+    """``explain``'s line on the settings that placed this graph's unit all-gathers."""
+    limit = config.limit_all_gathers
+    setting = (f"backward_prefetch={config.backward_prefetch!r}" if stage == "backward"
+               else f"forward_prefetch={config.forward_prefetch}")
+    setting += f", limit_all_gathers={limit}" + (" (unbounded)" if limit is None else "")
+    if not n_gathers:
+        return f"{setting}: no unit all-gathers in this graph"
+    mode = prefetch_mode(config, stage)
+    ahead = "the next unit's all-gather" if limit == 2 else f"the all-gather of the unit {(limit or 2) - 1} ahead"
+    if mode is None or limit == 1:
+        how = "each unit's all-gather is issued at its first use, after the previous unit's compute"
+    elif limit is None:
+        how = "every unit's all-gather is issued at the start of the graph"
+    elif mode == "pre" and stage != "backward":
+        how = f"{ahead} is issued right after the current unit's all-gather is waited, before the current unit's compute"
+    elif mode == "pre":
+        how = (f"{ahead} is issued right after the current unit's all-gather is waited (before the gradient "
+               "computation that reads its parameters), before the current unit's gradient reduction")
+    else:
+        how = (f"{ahead} is issued right after the current unit's gradient computation, "
+               "before the current unit's gradient reduction")
+    return f"{setting}: {how}"
+
+
+def _gathered(start: fx.Node, waits: list[fx.Node]) -> list[fx.Node]:
+    """The nodes that move with a unit gather's waits: the getitems that pick a coalesced
+    gather's outputs, the waits and the views of what they return. Their users outside
+    this list are the uses of the unit's gathered parameters."""
+    picks = [g for g in start.users if g.target is operator.getitem]
+    return picks + [n for w in waits for n in _view_chain(w)]
+
+
+def _place_gathers(gathers, mode, limit, starts, waits, uses, first_use, index, key, extra_deps) -> None:
+    """Where each unit's all-gather (and its copy-in) is issued; see the module docstring.
+    A gather is ordered after nodes that come before its own first use in the traced
+    program only: an ordering edge never pushes it (and the compute that needs it) later."""
+    prefetch = mode is not None and limit != 1
+    for k, ag in enumerate(gathers):
+        chain = _exclusive_prep(ag) + [ag]
+        roots = [n for n in chain if not any(a in chain for a in n.all_input_nodes)]
+
+        def earlier(nodes, ag=ag):
+            return [n for n in nodes if n.op != "output" and index[n] < first_use[ag]]
+
+        if not prefetch:
+            for n in chain:
+                key[n] = first_use[ag] - 0.9  # right before its waits (first use - 0.75)
+            if k:  # and after the previous unit's compute
+                _add_deps(roots, earlier(uses[gathers[k - 1]]), extra_deps)
+            continue
+        for n in chain:
+            key[n] = -math.inf
+        a = -1 if limit is None else k - (limit - 1)
+        if a < 0:
+            continue  # no anchor: issued as soon as its inputs exist
+        anchor = gathers[a]
+        reductions = _first_reductions(anchor, starts, waits)  # none in a forward graph
+        if mode == "pre":
+            _add_deps(roots, waits[anchor], extra_deps)
+        else:
+            grads = [x for r in reductions for x in _inputs(_exclusive_prep(r) + [r])]
+            _add_deps(roots, earlier(uses[anchor] + grads), extra_deps)
+        for r in reductions:  # FSDP1 issues the prefetch before the current unit's reduction
+            rchain = _exclusive_prep(r) + [r]
+            _add_deps([n for n in rchain if not any(x in rchain for x in n.all_input_nodes)], [ag], extra_deps)
+
+
+def _unit_of(node: fx.Node):
+    return (node.meta.get("custom") or {}).get("graphshard_unit")
+
+
+def _first_reductions(gather: fx.Node, starts: list[fx.Node], waits: dict) -> list[fx.Node]:
+    """The gradient reductions of ``gather``'s unit that read its gradients themselves (the
+    reduce-scatter or all-to-all, not hybrid sharding's all-reduce of what it returns)."""
+    unit = _unit_of(gather)
+    if unit is None:
+        return []
+    reds = [s for s in starts if _STARTS[s.target] in _REDUCTIONS and waits[s] and _unit_of(s) == unit]
+    first = []
+    for r in reds:
+        before = set(_ancestors(r))
+        if not any(o in before for o in reds):
+            first.append(r)
+    return first
+
+
+def _inputs(chain: list[fx.Node]) -> list[fx.Node]:
+    """The nodes ``chain`` reads from outside itself."""
+    return [a for n in chain for a in n.all_input_nodes if a not in chain]
+
+
+def _add_deps(dependents: list[fx.Node], gate: list[fx.Node], extra_deps: dict) -> None:
+    """Orders every node of ``dependents`` after every node of ``gate``, except a gate node
+    that depends on one of them already (by data or an earlier ordering edge): that edge would
+    be a cycle, and data comes first."""
+    extra_users: dict[fx.Node, list[fx.Node]] = {}
+    for n, ds in extra_deps.items():
+        for d in ds:
+            extra_users.setdefault(d, []).append(n)
+    after, stack = set(dependents), list(dependents)
+    while stack:
+        n = stack.pop()
+        for u in itertools.chain(n.users, extra_users.get(n, ())):
+            if u not in after:
+                after.add(u)
+                stack.append(u)
+    keep = [x for x in dict.fromkeys(gate) if x not in after]
+    for n in dependents:
+        extra_deps.setdefault(n, []).extend(keep)
 
 
 def _bound_reductions(starts: list[fx.Node], waits: dict, key: dict, extra_deps: dict) -> None:
@@ -150,8 +278,8 @@ def _bound_reductions(starts: list[fx.Node], waits: dict, key: dict, extra_deps:
         reds = [s for s in starts if _STARTS[s.target] == kind and waits[s]]
         for prev, nxt in zip(reds, reds[1:]):
             w = waits[prev][0]
-            if w in _ancestors(nxt):
-                continue  # already ordered by data
+            if w in _ancestors(nxt, extra_deps):
+                continue  # already ordered (by data or a prefetch edge)
             extra_deps.setdefault(w, []).append(nxt)
             key[w] = -math.inf
 
@@ -188,8 +316,9 @@ def _is_unit_gather(ag: fx.Node) -> bool:
     )
 
 
-def _ancestors(node: fx.Node):
-    seen, stack = set(), list(node.all_input_nodes)
+def _ancestors(node: fx.Node, extra_deps: dict | None = None):
+    extra_deps = extra_deps or {}
+    seen, stack = set(), [*node.all_input_nodes, *extra_deps.get(node, ())]
     while stack:
         n = stack.pop()
         if n in seen:
@@ -197,6 +326,7 @@ def _ancestors(node: fx.Node):
         seen.add(n)
         yield n
         stack.extend(n.all_input_nodes)
+        stack.extend(extra_deps.get(n, ()))
 
 
 def _priority_topo(nodes, key, extra_deps) -> list[fx.Node]:

@@ -63,11 +63,11 @@ unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_te
         self.assertExpectedInline(_collective_lines(g["backward"]), """\
 pack_2: "f32[16]" = torch.ops.graphshard.pack.default([primals_4], [16], torch.float32);  primals_4 = None
 all_gather_into_tensor_2: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_2, 4, 'dp');  pack_2 = None
-pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 4, [16], torch.float32);  t_6 = None
-reduce_scatter_tensor: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 4, 'dp');  pack_grads = None
 wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
 pack_1: "f32[16]" = torch.ops.graphshard.pack.default([primals_3], [16], torch.float32);  primals_3 = None
 all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 4, 'dp');  pack_1 = None
+pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 4, [16], torch.float32);  t_6 = None
+reduce_scatter_tensor: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 4, 'dp');  pack_grads = None
 unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_tensor_2 = None
 pack_grads_1: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_10], 4, [16], torch.float32);  t_10 = None
 reduce_scatter_tensor_1: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads_1, 'avg', 4, 'dp');  pack_grads_1 = None
@@ -100,11 +100,11 @@ unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 1,
         self.assertExpectedInline(_collective_lines(g["backward"]), """\
 pack_2: "f32[32]" = torch.ops.graphshard.pack.default([primals_4], [32], torch.float32);  primals_4 = None
 all_gather_into_tensor_2: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_2, 2, 'shard');  pack_2 = None
-pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 2, [32], torch.float32);  t_6 = None
-reduce_scatter_tensor: "f32[32]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 2, 'shard');  pack_grads = None
 wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
 pack_1: "f32[32]" = torch.ops.graphshard.pack.default([primals_3], [32], torch.float32);  primals_3 = None
 all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 2, 'shard');  pack_1 = None
+pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 2, [32], torch.float32);  t_6 = None
+reduce_scatter_tensor: "f32[32]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 2, 'shard');  pack_grads = None
 unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 2, [32]);  wait_tensor_2 = None
 pack_grads_1: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_10], 2, [32], torch.float32);  t_10 = None
 reduce_scatter_tensor_1: "f32[32]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads_1, 'avg', 2, 'shard');  pack_grads_1 = None

@@ -17,9 +17,11 @@ from _launch import torchrun
 
 TOL = 1e-5
 TWO_RANK = [
-    "transformer:full_shard:pre:flat:clip",
-    "transformer:shard_grad_op:post:orig",
-    "transformer:no_shard:none:flat",
+    "transformer:full_shard:pre:flat:clip:summon",
+    "transformer:shard_grad_op:post:orig:summon",
+    "transformer:no_shard:none:flat:summon",
+    "transformer:full_shard:post:flat:fwd",
+    "transformer:full_shard:none:orig:nolimit",
     "transformer:full_shard:pre:orig:accum:clip",
     "transformer:shard_grad_op:pre:flat:accum",
     "transformer:full_shard:pre:flat:ignore",
@@ -99,6 +101,15 @@ def test_torch_fsdp1_on_the_same_program(results, case):
         assert r["torch_param_err"] > 1e-3, f"torch's FSDP1 now matches on {case}: drop it from TORCH_WRONG ({r})"
         return
     assert r["torch_loss_err"] < TOL and r["torch_param_err"] < TOL and r["between_param_err"] < TOL, r
+
+
+@pytest.mark.parametrize("case", [c for c in TWO_RANK if ":summon" in c])
+def test_summon_full_params_as_torch(results, case):
+    """The user's names and full shapes, the trained values, and +1 written back into the shards."""
+    r = results[case]
+    assert r["graphshard_summon"]["shapes"] == r["torch_summon"]["shapes"], r
+    assert r["graphshard_summon"]["value_err"] == 0.0 and r["graphshard_summon"]["writeback_err"] < TOL, r
+    assert all("_fsdp_wrapped_module" not in n for n in r["graphshard_summon"]["shapes"]), r
 
 
 @pytest.mark.parametrize("case", [c for c in TWO_RANK if ":accum" in c])

@@ -1,11 +1,18 @@
+import functools
+import re
 from unittest import mock
 
 import torch
+import torch.fx as fx
 from expecttest import TestCase
 
 import graphshard
+import graphshard.passes.schedule_overlap as schedule_module
 from _golden import compiled_stages
 from _models import fsdp_plan, mesh1d, seeded, stack
+from graphshard._compat import c10d
+from graphshard.config import CompileConfig
+from graphshard.explain import collective_kind
 from graphshard.testing.models import MLP
 from graphshard.params import AxisGroup
 
@@ -56,8 +63,10 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_backward_prefetches_and_reduce_scatters_early(self):
-        # Each reduce-scatter starts as soon as its unit's gradients exist; its wait comes
-        # right after the next unit's reduce-scatter starts (at most two in flight).
+        # Each reduce-scatter starts as soon as its unit's gradients exist and the next unit's
+        # all-gather is issued (FSDP1 never queues that prefetch behind the current unit's
+        # reduction); its wait comes right after the next unit's reduce-scatter starts (at
+        # most two in flight).
         g = compiled_stages(stack(), fsdp_plan(), (torch.randn(4, 8),))
         self.assertExpectedInline(g["backward"], """\
 class GraphModule(torch.nn.Module):
@@ -68,17 +77,17 @@ class GraphModule(torch.nn.Module):
         threshold_backward: "f32[4, 8]" = torch.ops.aten.threshold_backward.default(tangents_1, detach_3, 0);  tangents_1 = detach_3 = None
         t_3: "f32[8, 4]" = torch.ops.aten.t.default(threshold_backward)
         mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        pack_1: "f32[16]" = torch.ops.graphshard.pack.default([primals_3], [16], torch.float32);  primals_3 = None
+        all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 4, 'dp');  pack_1 = None
         t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
         t_6: "f32[8, 8]" = torch.ops.aten.t.default(t_4);  t_4 = None
         # Annotation: {'graphshard_unit': 'layers.2'}
         pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 4, [16], torch.float32);  t_6 = None
         # Annotation: {'graphshard_unit': 'layers.2'} recompute: MUST_SAVE
         reduce_scatter_tensor: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 4, 'dp');  pack_grads = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
-        wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
-        pack_1: "f32[16]" = torch.ops.graphshard.pack.default([primals_3], [16], torch.float32);  primals_3 = None
-        all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 4, 'dp');  pack_1 = None
         # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
         unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_tensor_2 = None
         getitem_2: "f32[64]" = unpack_2[0];  unpack_2 = None
@@ -148,7 +157,7 @@ class GraphModule(torch.nn.Module):
         compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),))
         report = model._graphshard.explain[0]
         self.assertExpectedInline(" -> ".join(report.order["forward"]), """all_gather(layers.0) -> wait(layers.0) -> all_gather(layers.1) -> compute -> wait(layers.1) -> all_gather(layers.2) -> compute -> wait(layers.2) -> compute""")
-        self.assertExpectedInline(" -> ".join(report.order["backward"]), """all_gather(layers.2) -> compute -> reduce_scatter(layers.2) -> wait(layers.2) -> all_gather(layers.1) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(" -> ".join(report.order["backward"]), """all_gather(layers.2) -> compute -> wait(layers.2) -> all_gather(layers.1) -> reduce_scatter(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
 
     def test_gloo_axis_reduces_gradients_by_all_to_all(self):
         # gloo has no reduce-scatter of its own (c10d runs an all-reduce of the whole bucket):
@@ -158,7 +167,7 @@ class GraphModule(torch.nn.Module):
         with mock.patch.object(AxisGroup, "scatter_by_all_to_all", new_callable=mock.PropertyMock, return_value=True):
             g = compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),))
         order = model._graphshard.explain[0].order["backward"]
-        self.assertExpectedInline(" -> ".join(order), """all_gather(layers.2) -> compute -> all_to_all(layers.2) -> wait(layers.2) -> all_gather(layers.1) -> compute x2 -> all_to_all(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> all_to_all(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(" -> ".join(order), """all_gather(layers.2) -> compute -> wait(layers.2) -> all_gather(layers.1) -> all_to_all(layers.2) -> compute x2 -> all_to_all(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> all_to_all(layers.0) -> wait(layers.1) -> wait(layers.0)""")
         # The graph is the reduce-scatter one's (test above) but for the reduction's nodes:
         reduction = [line.strip() for line in g["backward"].splitlines()
                      if "all_to_all" in line or "unpack_reduced.default" in line]
@@ -217,6 +226,220 @@ getitem: "f32[8]" = all_gather_into_tensor_coalesced_1[1]
 wait_tensor_default: "f32[8]" = torch.ops._c10d_functional.wait_tensor.default(getitem);  getitem = wait_tensor_default = None
 getitem_2: "f32[240]" = all_gather_into_tensor_coalesced_1[0];  all_gather_into_tensor_coalesced_1 = None
 wait_tensor_2: "f32[240]" = torch.ops._c10d_functional.wait_tensor.default(getitem_2);  getitem_2 = None""")
+
+
+class _Sandwich(torch.nn.Module):
+    """``block`` applied before and after ``mid``: one unit used at two depths."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.mid, self.out = (torch.nn.Linear(8, 8, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        for layer in (self.inp, self.block, self.mid, self.block, self.out):
+            x = torch.relu(layer(x))
+        return x
+
+
+def _collectives_in(graph: str) -> list[str]:
+    """The collective order of a printed graph, one wait per collective (a coalesced
+    gather's waits pick its outputs through getitems; the stack has none)."""
+    return [collective_kind(m) for m in re.findall(r"torch\.ops\._c10d_functional\.(\w+)\.default", graph)]
+
+
+def _scheduled_order(settings: dict) -> tuple[dict, dict]:
+    """Compiles the 3-unit stack with ``settings``; returns explain's order per stage and the
+    settings lines, after checking that the order is the scheduled graph's."""
+    model = stack()
+    graphs = compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),), **settings)
+    report = model._graphshard.explain[0]
+    for stage in ("forward", "backward"):
+        listed = [e.split("(")[0] for e in report.order[stage] if not e.startswith("compute")]
+        assert listed == _collectives_in(graphs[stage]), (stage, listed, graphs[stage])
+    return ({stage: " -> ".join(report.order[stage]) for stage in ("forward", "backward")}, report.schedule)
+
+
+class TestPrefetchSettings(TestCase):
+    """FSDP1's prefetch settings as schedules, on the 3-unit stack (the backward re-gathers
+    layers.2 then layers.1; layers.0's weight is not needed for its weight gradient). Each
+    golden is explain's order, which ``_record`` reads off the scheduled graph (and
+    ``_scheduled_order`` checks against the printed graph). In the backward, ``wait(U)``
+    right after ``all_gather(U)`` / ``reduce_scatter(U)`` can be either's wait: a gather's
+    wait sits right before the first use of what it gathers, a reduce-scatter's right after
+    the next reduce-scatter starts."""
+
+    def test_forward_prefetch(self):
+        on, schedule = _scheduled_order(dict(forward_prefetch=True))
+        # the next unit's all-gather right after this unit's wait, before this unit's compute
+        self.assertExpectedInline(on["forward"], """all_gather(layers.0) -> wait(layers.0) -> all_gather(layers.1) -> compute -> wait(layers.1) -> all_gather(layers.2) -> compute -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(schedule["forward"], """forward_prefetch=True, limit_all_gathers=2: the next unit's all-gather is issued right after the current unit's all-gather is waited, before the current unit's compute""")
+        off, schedule = _scheduled_order(dict(forward_prefetch=False))
+        # each all-gather at its first use: after the previous unit's compute
+        self.assertExpectedInline(off["forward"], """all_gather(layers.0) -> wait(layers.0) -> compute -> all_gather(layers.1) -> wait(layers.1) -> compute -> all_gather(layers.2) -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(schedule["forward"], """forward_prefetch=False, limit_all_gathers=2: each unit's all-gather is issued at its first use, after the previous unit's compute""")
+        self.assertEqual(on["backward"], off["backward"])  # forward_prefetch leaves the backward alone
+
+    def test_backward_prefetch_pre(self):
+        order, schedule = _scheduled_order(dict(backward_prefetch="pre"))
+        # layers.1's all-gather right after layers.2's is waited, before layers.2's input-gradient
+        # matmul (its weight-gradient matmul needs no gathered weight and runs first) and
+        # before layers.2's reduce-scatter
+        self.assertExpectedInline(order["backward"], """all_gather(layers.2) -> compute -> wait(layers.2) -> all_gather(layers.1) -> reduce_scatter(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(schedule["backward"], """backward_prefetch='pre', limit_all_gathers=2: the next unit's all-gather is issued right after the current unit's all-gather is waited (before the gradient computation that reads its parameters), before the current unit's gradient reduction""")
+
+    def test_backward_prefetch_post(self):
+        order, schedule = _scheduled_order(dict(backward_prefetch="post"))
+        # layers.1's all-gather after both of layers.2's matmuls, and layers.2's reduce-scatter
+        # after that all-gather (FSDP1's post-backward: reshard, prefetch, reduce)
+        self.assertExpectedInline(order["backward"], """all_gather(layers.2) -> compute -> wait(layers.2) -> compute -> all_gather(layers.1) -> reduce_scatter(layers.2) -> compute -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(schedule["backward"], """backward_prefetch='post', limit_all_gathers=2: the next unit's all-gather is issued right after the current unit's gradient computation, before the current unit's gradient reduction""")
+
+    def test_backward_prefetch_none(self):
+        order, schedule = _scheduled_order(dict(backward_prefetch=None))
+        # each re-gather right before the matmul that reads it, after the previous unit's compute
+        self.assertExpectedInline(order["backward"], """compute -> reduce_scatter(layers.2) -> all_gather(layers.2) -> wait(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> all_gather(layers.1) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(schedule["backward"], """backward_prefetch=None, limit_all_gathers=2: each unit's all-gather is issued at its first use, after the previous unit's compute""")
+
+    def test_limit_all_gathers(self):
+        one, schedule = _scheduled_order(dict(limit_all_gathers=1))
+        self.assertExpectedInline(one["forward"], """all_gather(layers.0) -> wait(layers.0) -> compute -> all_gather(layers.1) -> wait(layers.1) -> compute -> all_gather(layers.2) -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(one["backward"], """compute -> reduce_scatter(layers.2) -> all_gather(layers.2) -> wait(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> all_gather(layers.1) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(schedule["backward"], """backward_prefetch='pre', limit_all_gathers=1: each unit's all-gather is issued at its first use, after the previous unit's compute""")
+        two, _ = _scheduled_order(dict(limit_all_gathers=2))
+        self.assertExpectedInline(two["forward"], """all_gather(layers.0) -> wait(layers.0) -> all_gather(layers.1) -> compute -> wait(layers.1) -> all_gather(layers.2) -> compute -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(two["backward"], """all_gather(layers.2) -> compute -> wait(layers.2) -> all_gather(layers.1) -> reduce_scatter(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        unbounded, schedule = _scheduled_order(dict(limit_all_gathers=None))
+        self.assertExpectedInline(unbounded["forward"], """all_gather(layers.0) -> all_gather(layers.1) -> all_gather(layers.2) -> wait(layers.0) -> compute -> wait(layers.1) -> compute -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(unbounded["backward"], """all_gather(layers.2) -> all_gather(layers.1) -> compute -> reduce_scatter(layers.2) -> wait(layers.2) -> compute x2 -> reduce_scatter(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> reduce_scatter(layers.0) -> wait(layers.1) -> wait(layers.0)""")
+        self.assertExpectedInline(schedule["forward"], """forward_prefetch=True, limit_all_gathers=None (unbounded): every unit's all-gather is issued at the start of the graph""")
+        # the bound reaches further than one unit: two ahead with 3
+        three, schedule = _scheduled_order(dict(limit_all_gathers=3))
+        self.assertExpectedInline(three["forward"], """all_gather(layers.0) -> all_gather(layers.1) -> wait(layers.0) -> all_gather(layers.2) -> compute -> wait(layers.1) -> compute -> wait(layers.2) -> compute""")
+        self.assertExpectedInline(schedule["forward"], """forward_prefetch=True, limit_all_gathers=3: the all-gather of the unit 2 ahead is issued right after the current unit's all-gather is waited, before the current unit's compute""")
+
+    def test_explain_names_the_settings(self):
+        model = stack()
+        compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),), forward_prefetch=False, backward_prefetch="post")
+        with mock.patch("builtins.print"):
+            text = graphshard.explain(model)
+        lines = [line.strip() for line in text.splitlines() if line.strip().startswith("scheduling")]
+        self.assertExpectedInline("\n".join(lines), """\
+scheduling (forward): forward_prefetch=False, limit_all_gathers=2: each unit's all-gather is issued at its first use, after the previous unit's compute
+scheduling (backward): backward_prefetch='post', limit_all_gathers=2: the next unit's all-gather is issued right after the current unit's gradient computation, before the current unit's gradient reduction""")
+
+    def test_a_module_applied_twice_holds_back_no_gather(self):
+        # `block` runs before and after `mid`. In the backward it is re-gathered once and used
+        # twice; under "post" mid's gather follows the gradient computation of block's second
+        # application (the first in the backward), not that of its first, which needs mid's
+        # input gradient. block's reduce-scatter then comes after mid's gather by data.
+        plan = graphshard.Plan(mesh1d("dp"), {name: graphshard.FullyShard() for name in ("inp", "block", "mid", "out", "")})
+        orders = {}
+        for prefetch in ("pre", "post", None):
+            torch._dynamo.reset()
+            model = seeded(_Sandwich)
+            compiled_stages(model, plan, (torch.randn(4, 8),), backward_prefetch=prefetch)
+            orders[prefetch] = " -> ".join(model._graphshard.explain[0].order["backward"])
+        self.assertExpectedInline(orders["pre"], """all_gather(out) -> compute -> wait(out) -> all_gather(block) -> reduce_scatter(out) -> compute x2 -> wait(block) -> all_gather(mid) -> compute x2 -> reduce_scatter(mid) -> wait(out) -> wait(mid) -> compute x3 -> reduce_scatter(block) -> wait(mid) -> compute -> reduce_scatter(inp) -> wait(block) -> wait(inp)""")
+        self.assertExpectedInline(orders["post"], """all_gather(out) -> compute -> wait(out) -> compute -> all_gather(block) -> reduce_scatter(out) -> compute -> wait(block) -> compute -> all_gather(mid) -> compute -> reduce_scatter(mid) -> wait(out) -> wait(mid) -> compute x3 -> reduce_scatter(block) -> wait(mid) -> compute -> reduce_scatter(inp) -> wait(block) -> wait(inp)""")
+        self.assertExpectedInline(orders[None], """compute -> reduce_scatter(out) -> all_gather(out) -> wait(out) -> compute x2 -> all_gather(block) -> wait(block) -> compute x2 -> reduce_scatter(mid) -> wait(out) -> all_gather(mid) -> wait(mid) -> compute x3 -> reduce_scatter(block) -> wait(mid) -> compute -> reduce_scatter(inp) -> wait(block) -> wait(inp)""")
+
+    def test_settings_are_validated(self):
+        for bad in (0, -1, True, False, 2.0, "2"):
+            with self.subTest(limit_all_gathers=bad), self.assertRaisesRegex(ValueError, "limit_all_gathers"):
+                CompileConfig(limit_all_gathers=bad)
+        with self.assertRaisesRegex(ValueError, "backward_prefetch='BACKWARD_PRE'"):
+            CompileConfig(backward_prefetch="BACKWARD_PRE")
+        with self.assertRaisesRegex(ValueError, "forward_prefetch"):
+            CompileConfig(forward_prefetch=None)
+        CompileConfig(limit_all_gathers=None, backward_prefetch=None, forward_prefetch=False)
+
+    def test_fsdp1_wrapper_maps_its_arguments(self):
+        from torch.distributed.fsdp import BackwardPrefetch
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+        policy = ModuleWrapPolicy({torch.nn.Linear})
+        default = FSDP(stack(), auto_wrap_policy=policy)._compile_config()
+        self.assertEqual((default.forward_prefetch, default.backward_prefetch, default.limit_all_gathers),
+                         (False, "pre", 2))
+        for prefetch, expected in ((BackwardPrefetch.BACKWARD_POST, "post"), (None, None)):
+            config = FSDP(stack(), auto_wrap_policy=policy, backward_prefetch=prefetch, forward_prefetch=True,
+                          limit_all_gathers=False)._compile_config()
+            self.assertEqual((config.forward_prefetch, config.backward_prefetch, config.limit_all_gathers),
+                             (True, expected, None))
+
+
+class _StandIns(fx.Interpreter):
+    """Runs a partitioned graph in one process with deterministic stand-ins for the
+    collectives (every rank holding this rank's data): the settings only reorder nodes, so
+    every schedule must compute bitwise the same values."""
+
+    def call_function(self, target, args, kwargs):
+        if target == c10d.all_gather_into_tensor.default:
+            return torch.cat([args[0]] * args[1])
+        if target == c10d.all_gather_into_tensor_coalesced.default:
+            return [torch.cat([x] * args[1]) for x in args[0]]
+        if target == c10d.reduce_scatter_tensor.default:
+            return args[0].chunk(args[2])[0].clone()
+        if target in (c10d.all_reduce.default, c10d.all_to_all_single.default):
+            return args[0].clone()
+        if target == c10d.wait_tensor.default:
+            return args[0]
+        return super().call_function(target, args, kwargs)
+
+
+def _inputs_for(gm: fx.GraphModule) -> list:
+    out = []
+    for i, n in enumerate(gm.graph.find_nodes(op="placeholder")):
+        v = n.meta.get("val")
+        g = torch.Generator().manual_seed(i)
+        if not isinstance(v, torch.Tensor):
+            out.append(v)
+        elif v.dtype.is_floating_point:
+            out.append(torch.randn(v.shape, generator=g).to(v.dtype))
+        else:
+            out.append(torch.randint(0, 8, v.shape, generator=g, dtype=v.dtype))
+    return out
+
+
+class TestSettingsKeepNumerics(TestCase):
+    def test_every_setting_computes_the_same_values(self):
+        settings = [dict(), dict(forward_prefetch=False), dict(backward_prefetch="post"), dict(backward_prefetch=None),
+                    dict(limit_all_gathers=1), dict(limit_all_gathers=None),
+                    dict(backward_prefetch="post", limit_all_gathers=3)]
+        results, orders = [], set()
+        schedule = schedule_module.schedule_overlap
+        for coalesced in (False, True):
+            for kw in settings:
+                torch._dynamo.reset()
+                graphs = {}
+
+                @functools.wraps(schedule)
+                def capture(gm, ctx, graphs=graphs):
+                    graphs[ctx.stage] = schedule(gm, ctx)
+                    return graphs[ctx.stage]
+
+                model = seeded(MLP, 10, 30, 7)
+                plan = graphshard.Plan(mesh1d("dp"), {"fc1": graphshard.FullyShard(), "fc2": graphshard.FullyShard(),
+                                                      "": graphshard.FullyShard()})
+                with mock.patch.object(AxisGroup, "gather_coalesced", new_callable=mock.PropertyMock,
+                                       return_value=coalesced), \
+                        mock.patch.object(schedule_module, "schedule_overlap", capture):
+                    compiled_stages(model, plan, (torch.randn(4, 10),), **kw)
+                values = {}
+                for stage, gm in graphs.items():
+                    gm.graph.lint()
+                    values[stage] = _StandIns(gm).run(*_inputs_for(gm))
+                    orders.add((coalesced, stage, tuple(n.name for n in gm.graph.nodes)))
+                results.append((coalesced, kw, values))
+        self.assertGreater(len(orders), 6)  # the settings did reorder
+        for coalesced, kw, values in results:
+            reference = next(v for c, _, v in results if c == coalesced)
+            for stage in ("forward", "backward"):
+                with self.subTest(coalesced=coalesced, stage=stage, **kw):
+                    for got, want in zip(values[stage], reference[stage], strict=True):
+                        self.assertTrue(got is want is None or torch.equal(got, want))
 
 
 class TestInductorKeepsTheOrder(TestCase):

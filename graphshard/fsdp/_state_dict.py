@@ -6,13 +6,16 @@
 - SHARDED_STATE_DICT: the user's FQNs, each parameter this rank's shard as a DTensor over the
   FSDP mesh (``Shard(0)``; hybrid: ``(Replicate(), Shard(0))``), which
   ``torch.distributed.checkpoint`` saves and loads into any world size.
-- LOCAL_STATE_DICT: the flat shards under torch's names (``..._flat_param``) with
-  ``use_orig_params=False``; the per-parameter local shards under the wrapped names otherwise.
+- LOCAL_STATE_DICT: this rank's stored tensors under torch's keys (``layers.0._flat_param``:
+  the flat shards with ``use_orig_params=False``; the parameters' local shards otherwise), for
+  loading into the same world size and wrapping. graphshard's flat layout (each parameter's
+  shard padded to its chunk) is not torch's, so these do not interchange with torch's FSDP1.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,6 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
-from graphshard.ops import _gather_logical
 from graphshard.storage import FLAT_PARAM, sharded_value, stored_local
 
 _CONFIGS = {
@@ -109,12 +111,10 @@ class StateDictMixin:
             destination, prefix, keep_vars = (list(args) + [destination, prefix, keep_vars][len(args):])[:3]
         settings = self._settings()
         kind, cfg = settings.state_dict_type, settings.state_dict_config
-        out = destination if destination is not None else {}
+        out = destination if destination is not None else OrderedDict()  # nn.Module.state_dict's type
         if kind == StateDictType.LOCAL_STATE_DICT:
-            for name, p in nn.Module.named_parameters(self):
-                out[prefix + name] = p if keep_vars else p.detach()
-            for name, b in nn.Module.named_buffers(self):
-                out[prefix + name] = b if keep_vars else b.detach()
+            for name, t in self._local_tensors().items():
+                out[prefix + name] = t if keep_vars else t.detach()
             return out
         values = self._param_values(kind, cfg)
         rank0_only = kind == StateDictType.FULL_STATE_DICT and cfg.rank0_only and dist.get_rank() != 0
@@ -136,8 +136,9 @@ class StateDictMixin:
         model = self._fsdp_wrapped_module
         values = {}
         for info in self._graphshard.infos.values():
-            if kind == StateDictType.FULL_STATE_DICT:
-                v = _gather_logical(stored_local(model, info), info).to(info.dtype)
+            if kind == StateDictType.FULL_STATE_DICT:  # gathered in the stored dtype, not param_dtype
+                v = sharded_value(model, info).full_tensor() if info.shard is not None else \
+                    stored_local(model, info).detach().clone()
                 if cfg.offload_to_cpu:
                     v = v.cpu()
             else:
@@ -156,7 +157,7 @@ class StateDictMixin:
 
         kind = self._settings().state_dict_type
         if kind == StateDictType.LOCAL_STATE_DICT:
-            return nn.Module.load_state_dict(self, state_dict, strict=strict)
+            return self._load_local(state_dict, strict)
         model = self._fsdp_wrapped_module
         expected = set(self._sd_keys)
         missing = [k for k in self._sd_keys if k not in state_dict]
@@ -196,6 +197,39 @@ class StateDictMixin:
                if not isinstance(p, DTensor) and not k.endswith(FLAT_PARAM)}
         out.update((clean_fqn(k), b) for k, b in nn.Module.named_buffers(model, remove_duplicate=False))
         return out
+
+    def _local_tensors(self) -> dict[str, torch.Tensor]:
+        """LOCAL_STATE_DICT: torch's keys (``layers.0._flat_param``: wrappers left out) -> this
+        rank's stored tensor (a flat parameter, an original parameter's local shard, a buffer)."""
+        from graphshard.fsdp._wrapper import clean_fqn
+
+        out = {}
+        for name, mod in nn.Module.named_modules(self):  # nn.Module.state_dict's order: per module, params then buffers
+            pre = clean_fqn(name) + "." if clean_fqn(name) else ""
+            for n, p in mod._parameters.items():
+                if p is not None:
+                    out[pre + n] = p._local_tensor if isinstance(p, DTensor) else p
+            for n, b in mod._buffers.items():
+                if b is not None and n not in mod._non_persistent_buffers_set:
+                    out[pre + n] = b
+        return out
+
+    def _load_local(self, state_dict, strict: bool):
+        local = self._local_tensors()
+        missing = [k for k in local if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in local]
+        if strict and (missing or unexpected):
+            raise RuntimeError(_load_error(type(self._fsdp_wrapped_module).__name__, missing, unexpected))
+        with torch.no_grad():
+            for key, dst in local.items():
+                if key in state_dict:
+                    value = state_dict[key]
+                    if tuple(value.shape) != tuple(dst.shape):
+                        raise RuntimeError(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                           f"the shape in the current model is {tuple(dst.shape)} (a LOCAL_STATE_DICT "
+                                           "loads into the same world size and wrapping it was saved with)")
+                    dst.copy_(value)
+        return _compat.incompatible_keys(missing, unexpected)
 
 
 def _default_settings() -> StateDictSettings:

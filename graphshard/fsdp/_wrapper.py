@@ -29,17 +29,19 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
+from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
 from graphshard.backend import graphshard_backend
 from graphshard.config import CompileConfig
+from graphshard.fsdp._optim_state import OptimStateMixin
 from graphshard.fsdp._state_dict import StateDictMixin
 from graphshard.fsdp.wrap import decide_units
 from graphshard.grad_sync import no_sync
-from graphshard.ops import _gather_logical, local_chunk
+from graphshard.ops import local_chunk
 from graphshard.params import ParamInfo
 from graphshard.plan import FullyShard, Plan, Replicate
-from graphshard.storage import FLAT_PARAM, in_forward, owner_of, shard, state_of, stored_local
+from graphshard.storage import FLAT_PARAM, dtensor_of_local, in_forward, owner_of, shard, state_of, stored_local
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
@@ -61,7 +63,7 @@ class _Summoned(threading.local):
 _summoned = _Summoned()
 
 
-class FullyShardedDataParallel(StateDictMixin, nn.Module):
+class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
     """torch's ``FullyShardedDataParallel`` (FSDP1), same signature and behaviour, compiled by
     graphshard: one program for the whole model, one all-gather and one reduce-scatter per
     unit, scheduled by ``backward_prefetch`` / ``forward_prefetch`` / ``limit_all_gathers``."""
@@ -162,8 +164,15 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         return unit
 
     def _compile_config(self) -> CompileConfig:
+        """FSDP1's prefetch arguments as graphshard's scheduling settings (``CompileConfig``):
+        BACKWARD_PRE / BACKWARD_POST / None -> 'pre' / 'post' / None; ``limit_all_gathers=True``
+        -> 2 (FSDP1's rate limiter keeps two all-gathers in flight), False -> None (unbounded)."""
         c = self._config
-        return CompileConfig(limit_all_gathers=2)  # PENDING-MERGE: prefetch settings (wip-sched)
+        backward = {BackwardPrefetch.BACKWARD_PRE: "pre", BackwardPrefetch.BACKWARD_POST: "post", None: None}
+        if c.backward_prefetch not in backward:
+            raise ValueError(f"backward_prefetch={c.backward_prefetch!r}: expected a BackwardPrefetch or None")
+        return CompileConfig(forward_prefetch=bool(c.forward_prefetch), backward_prefetch=backward[c.backward_prefetch],
+                             limit_all_gathers=2 if c.limit_all_gathers else None)
 
     # ------------------------------------------------------------------ module protocol
     @property
@@ -214,7 +223,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         inside ``summon_full_params`` the user's names with the full parameters, as torch."""
         if _summoned.full:
             for fqn, p in super().named_parameters(prefix, recurse, remove_duplicate):
-                if not fqn.endswith(FLAT_PARAM):
+                if not fqn.endswith(FLAT_PARAM) and not isinstance(p, DTensor):  # ignored: plain, as they are
                     yield clean_fqn(fqn), p
             for key, full in _summoned.full.items():
                 info = self._graphshard.infos[key]
@@ -269,7 +278,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
         for key in keys:
             info = root._graphshard.infos[key]
             local = stored_local(model, info)
-            value = _gather_logical(local, info).to(info.dtype)  # every rank joins the gather
+            value = dtensor_of_local(local.detach(), info).full_tensor()  # full precision; every rank joins
             if rank0_only and dist.get_rank() != 0:
                 continue
             if offload_to_cpu:
@@ -278,7 +287,7 @@ class FullyShardedDataParallel(StateDictMixin, nn.Module):
             if with_grads:
                 grad = _local_grad(model, info)
                 if grad is not None:
-                    p.grad = _gather_logical(grad, info).to(info.dtype)
+                    p.grad = dtensor_of_local(grad, info).full_tensor()
             full[key] = p
         if keys and rank0_only and dist.get_rank() != 0:
             full = {}

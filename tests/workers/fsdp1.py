@@ -7,7 +7,7 @@ shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backwa
 step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``), ``accum``
 (each step accumulates two micro-batches, the first inside ``no_sync()``), ``ignore``
 (``ignored_modules=[layers[0].ffn]``), ``ignorestates`` (``ignored_states=[norm.weight,
-output.weight]``): ignored parameters are not reduced, so the wrappers are compared with each
+output.weight]``), ``summon`` (``summon_full_params`` with writeback after training): ignored parameters are not reduced, so the wrappers are compared with each
 other, not with the single process; ``cpuonly`` (``CPUOffload(offload_params=True)``,
 ``sync_module_states=True``, no ``device_id``: torch's FSDP1 refuses each on a CPU-only build)
 (and ignored parameters not with ``clip``: the total norm then differs per
@@ -136,7 +136,27 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     buffers = {n: str(b.dtype) for n, b in fsdp.named_buffers()}  # torch casts them at the first forward
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         sd = fsdp.state_dict()
-    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced, sorted(dtypes), buffers)
+    summoned = summon_and_write_back(FSDP, fsdp, sd) if args["summon"] else None
+    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced, sorted(dtypes), buffers, summoned)
+
+
+def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
+    """``summon_full_params``: the names, shapes and values it exposes (against the full state
+    dict), then +1 written into every full parameter and read back through a new state dict."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    with FSDP.summon_full_params(fsdp, writeback=True):
+        named = list(fsdp.named_parameters())
+        shapes = {n: list(p.shape) for n, p in named}
+        value_err = max((p.detach() - sd[n.replace("_fsdp_wrapped_module.", "")]).abs().max().item() for n, p in named)
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(1.0)
+    with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        after = fsdp.state_dict()
+    written = max((after[k] - sd[k] - 1.0).abs().max().item() for k in after if after[k].is_floating_point()
+                  and k in {n.replace("_fsdp_wrapped_module.", "") for n in shapes})
+    return {"shapes": shapes, "value_err": value_err, "writeback_err": written}
 
 
 def reference(model, logits, args: dict):
@@ -186,7 +206,7 @@ def run_case(case: str) -> dict:
     per_rank = 2
     args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags,
             "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None),
-            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags}
+            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name)
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
@@ -208,7 +228,7 @@ def run_case(case: str) -> dict:
         out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
         out[f"{name}_names"] = names
         (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
-         out[f"{name}_buffer_dtypes"]) = reductions
+         out[f"{name}_buffer_dtypes"], out[f"{name}_summon"]) = reductions
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
