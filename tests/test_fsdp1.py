@@ -27,16 +27,26 @@ TWO_RANK = [
     "transformer:full_shard:pre:flat:ignore",
     "transformer:shard_grad_op:pre:orig:ignorestates",
     "llama:full_shard:pre:orig:clip",
+    "llama:shard_grad_op:post:flat",
+    "transformer:full_shard:pre:flat:clipinf",
+    "transformer:full_shard:pre:orig:tied:clip",
+    "transformer:full_shard:pre:flat:tiedunits",
+    "transformer:full_shard:pre:orig:tiedunits",
+    "transformer:shard_grad_op:pre:orig:frozen",
     "bn:full_shard:pre:flat:bf16",
     "bn:shard_grad_op:pre:orig",
     "transformer:full_shard:pre:orig:cpuonly",
 ]
 FOUR_RANK = ["transformer:hybrid_shard:pre:flat:clip", "transformer:_hybrid_shard_zero2:pre:orig"]
-TORCH_WRONG = {"transformer:_hybrid_shard_zero2:pre:orig"}
-TORCH_CANNOT = {"transformer:full_shard:pre:orig:cpuonly"}
-"""Cases torch's FSDP1 refuses on a CPU-only build ("FSDP needs a non-CPU accelerator device")."""
+TORCH_WRONG = {"transformer:_hybrid_shard_zero2:pre:orig", "transformer:full_shard:pre:flat:tiedunits"}
+TORCH_CANNOT = {"transformer:full_shard:pre:orig:cpuonly", "transformer:full_shard:pre:orig:tiedunits"}
+"""Cases torch's FSDP1 cannot run: on a CPU-only build ("FSDP needs a non-CPU accelerator
+device"); a weight tied across units with use_orig_params=True ("'weight' must be 2-D"). With
+flat parameters the tied weight across units trains to parameters ~2.5e-2 away (TORCH_WRONG):
+torch requires shared parameters in one unit; graphshard shards them once wherever they are."""
 """Cases where torch's FSDP1 itself does not match the single process (torch 2.13, gloo):
-``_HYBRID_SHARD_ZERO2`` with ``use_orig_params=True`` trains to parameters ~3e-2 away."""
+``_HYBRID_SHARD_ZERO2`` with ``use_orig_params=True`` trains to parameters ~3e-2 away; a tied
+weight across units (below)."""
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +272,32 @@ def test_register_comm_hook_accepts_the_default_reduction_and_refuses_others():
 
 def _my_hook(state, grad, output=None):
     return None
+
+
+def test_a_policy_that_wraps_nothing_is_an_error():
+    import functools
+
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+    from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=10**9)
+    with pytest.raises(ValueError, match="size_based_auto_wrap_policy wraps no submodule of Transformer"):
+        FSDP(_model(), auto_wrap_policy=policy)
+
+
+def test_param_init_fn_runs_once_per_module_holding_meta_tensors_children_first_untouched():
+    calls = []
+
+    def init(m):
+        calls.append(type(m).__name__)
+        m.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            for p in m.parameters(recurse=False):
+                p.fill_(0.5)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)))
+    fsdp = _wrap_plain(model, param_init_fn=init, use_orig_params=True)
+    assert calls == ["Linear", "Linear"]  # each module holding meta tensors once; containers never
+    assert all(bool((p.to_local() == 0.5).all()) for p in fsdp.parameters())

@@ -115,6 +115,12 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
         units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1],
                              full_precision_classes=full_precision)
+        if auto_wrap_policy is not None and len(units) == 1:
+            raise ValueError(
+                f"auto_wrap_policy {_policy_name(auto_wrap_policy)} wraps no submodule of {type(module).__name__}: the "
+                "whole model would be one unit, gathered at once. Name the block class (ModuleWrapPolicy({YourBlock})), "
+                "lower min_num_params, or pass auto_wrap_policy=None to shard the model as one unit on purpose"
+            )
         specs = {}
         for fqn, _mod, overrides in units:
             unit_strategy = overrides.get("sharding_strategy", strategy)
@@ -410,6 +416,11 @@ def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, s
         else:
             raise ValueError(f"ignored_states takes modules and parameters, got {type(x).__name__}")
     return mods, params
+
+
+def _policy_name(policy) -> str:
+    fn = getattr(policy, "func", policy)
+    return getattr(fn, "__name__", type(policy).__name__)
 
 
 def _ignored_globs(module: nn.Module, modules: set, params: set) -> list[str]:

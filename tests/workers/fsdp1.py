@@ -4,7 +4,9 @@ Each CASE is ``model:strategy:prefetch:params[:flag ...]``: ``model`` transforme
 transformers, tiny config); ``strategy`` a ShardingStrategy name in lower case (full_shard,
 shard_grad_op, no_shard, hybrid_shard); ``prefetch`` pre | post | none (``backward_prefetch``);
 ``params`` flat | orig (``use_orig_params``). Flags: ``clip`` (``clip_grad_norm_`` at 0.05 each
-step), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``), ``accum``
+step; ``clipinf`` with ``norm_type=inf``), ``tied`` (output and input embeddings one parameter),
+``tiedunits`` (tied, and every Linear a unit: the tied weight is
+held by the root's embedding and by the output unit), ``frozen`` (one frozen weight in a unit), ``fwd`` (``forward_prefetch=True``), ``nolimit`` (``limit_all_gathers=False``), ``accum``
 (each step accumulates two micro-batches, the first inside ``no_sync()``), ``ignore``
 (``ignored_modules=[layers[0].ffn]``), ``ignorestates`` (``ignored_states=[norm.weight,
 output.weight]``), ``summon`` (``summon_full_params`` with writeback after training): ignored parameters are not reduced, so the wrappers are compared with each
@@ -73,8 +75,15 @@ class BNNet(torch.nn.Module):
         return self.out(h)
 
 
-def build(model_name: str):
+def build(model_name: str, flags: list[str] = ()):
     torch.manual_seed(0)
+    if model_name == "transformer" and ({"tied", "tiedunits", "frozen"} & set(flags)):
+        model = Transformer(SMALL)
+        if {"tied", "tiedunits"} & set(flags):  # one parameter under two FQNs, in the root unit and used by two modules
+            model.output.weight = model.tok_embeddings.weight
+        if "frozen" in flags:  # frozen and trainable parameters in one unit
+            model.layers[0].attn.wq.weight.requires_grad_(False)
+        return model, Block, lambda out: out
     if model_name == "bn":
         return BNNet(), MLPBlock, lambda out: out
     if model_name == "llama":
@@ -110,7 +119,8 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
                     p.add_(torch.randn_like(p))
     else:
         kwargs["device_id"] = torch.device("cpu")
-    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({block}), **kwargs)
+    classes = {block, torch.nn.Linear} if args["tiedunits"] else {block}  # tiedunits: output its own unit
+    fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(classes), **kwargs)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
     losses, norms, reductions, synced, dtypes = [], [], [], [], set()
     for step in range(STEPS):
@@ -127,7 +137,7 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         dtypes.update(str(p.dtype) for p in fsdp.parameters())
         dtypes.update(str(p.grad.dtype) for p in fsdp.parameters() if p.grad is not None)
         if args["clip"]:
-            norms.append(float(fsdp.clip_grad_norm_(0.05)))
+            norms.append(float(fsdp.clip_grad_norm_(0.05, args["norm_type"])))
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -170,7 +180,7 @@ def reference(model, logits, args: dict):
         loss = lm_loss(logits(model(x)), y)
         loss.backward()
         if args["clip"]:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, args["norm_type"])))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -204,11 +214,13 @@ def run_case(case: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch._dynamo.reset()
     per_rank = 2
-    args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags,
+    args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags or "clipinf" in flags,
+            "norm_type": float("inf") if "clipinf" in flags else 2.0,
             "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None),
-            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags}
+            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags,
+            "tiedunits": "tiedunits" in flags}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
-    base, block, logits = build(model_name)
+    base, block, logits = build(model_name, flags)
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
     out = {"case": case}
     results = {}
