@@ -15,6 +15,8 @@ Variants (see `VARIANTS`):
 * ``fsdp1_flat``            the same with ``use_orig_params=False`` (flat parameters).
 * ``gs_fsdp1`` / ``gs_fsdp1_flat``  the same two programs with ``graphshard.fsdp.FullyShardedDataParallel``.
 * ``graphshard_flat``       ``graphshard.compile`` with ``FullyShard(flat_params=True)``: the Plan ``gs_fsdp1_flat`` builds.
+* ``graphshard_eq`` / ``graphshard_eq_flat``  ``graphshard`` / ``graphshard_flat`` with the scheduling FSDP1's defaults
+                            map to (``forward_prefetch=False``): the exact program ``gs_fsdp1`` / ``gs_fsdp1_flat`` compile.
 * ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
 * ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
 * ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
@@ -104,9 +106,13 @@ def _graphshard_plan(mesh, **spec):
     return graphshard, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(**spec), "": graphshard.FullyShard(**spec)})
 
 
-def build_graphshard(model, mesh, lr, **spec) -> StepFn:
+FSDP1_DEFAULTS = dict(forward_prefetch=False, backward_prefetch="pre", limit_all_gathers=2)
+"""The compile settings FSDP1's defaults map to (what graphshard.fsdp compiles with)."""
+
+
+def build_graphshard(model, mesh, lr, compile_kwargs=None, **spec) -> StepFn:
     graphshard, plan = _graphshard_plan(mesh, **spec)
-    graphshard.compile(model, plan)
+    graphshard.compile(model, plan, **(compile_kwargs or {}))
     return _make_step(model, model.parameters(), lr)
 
 
@@ -159,6 +165,8 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "gs_fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False, graphshard_fsdp=True),
     "graphshard": build_graphshard,
     "graphshard_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, flat_params=True),
+    "graphshard_eq": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS),
+    "graphshard_eq_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS, flat_params=True),
     "graphshard_comm": build_graphshard_comm,
     "local_compile": build_local_compile,
 }

@@ -90,11 +90,11 @@ region r0(2 in, 2 out): mm, relu, le
 pack
 all_gather_into_tensor
 region r0(3 in, 2 out): full, where, mm
-pack_grads
-reduce_scatter_tensor
 wait_tensor
 pack
 all_gather_into_tensor
+pack_grads
+reduce_scatter_tensor
 unpack
 getitem 0
 region r1(4 in, 2 out): full, mm, le, where, mm
