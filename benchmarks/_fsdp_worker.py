@@ -14,6 +14,7 @@ Variants (see `VARIANTS`):
 * ``fsdp1``                 ``FullyShardedDataParallel``, one unit per block, ``use_orig_params=True``.
 * ``fsdp1_flat``            the same with ``use_orig_params=False`` (flat parameters).
 * ``gs_fsdp1`` / ``gs_fsdp1_flat``  the same two programs with ``graphshard.fsdp.FullyShardedDataParallel``.
+* ``fsdp1_flat_fwd`` / ``gs_fsdp1_flat_fwd``  the flat programs with ``forward_prefetch=True``.
 * ``graphshard_flat``       ``graphshard.compile`` with ``FullyShard(flat_params=True)``: the Plan ``gs_fsdp1_flat`` builds.
 * ``graphshard_eq`` / ``graphshard_eq_flat``  ``graphshard`` / ``graphshard_flat`` with the scheduling FSDP1's defaults
                             map to (``forward_prefetch=False``): the exact program ``gs_fsdp1`` / ``gs_fsdp1_flat`` compile.
@@ -78,7 +79,7 @@ def build_fsdp2(model, mesh, lr, *, compile_root=False, compile_blocks=False) ->
     return _make_step(module, model.parameters(), lr)
 
 
-def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False) -> StepFn:
+def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False, forward_prefetch=False) -> StepFn:
     """FSDP1's program, one unit per block; with ``graphshard_fsdp`` the same lines with
     ``graphshard.fsdp.FullyShardedDataParallel`` (the only difference)."""
     if graphshard_fsdp:
@@ -92,6 +93,7 @@ def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False)
         model,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=use_orig_params,
+        forward_prefetch=forward_prefetch,
         # An explicit CPU device_id is FSDP1's (only) way to run without an accelerator.
         device_id=torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu"),
     )
@@ -163,6 +165,9 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False),
     "gs_fsdp1": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, graphshard_fsdp=True),
     "gs_fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False, graphshard_fsdp=True),
+    "fsdp1_flat_fwd": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False, forward_prefetch=True),
+    "gs_fsdp1_flat_fwd": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False, graphshard_fsdp=True,
+                                                         forward_prefetch=True),
     "graphshard": build_graphshard,
     "graphshard_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, flat_params=True),
     "graphshard_eq": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS),

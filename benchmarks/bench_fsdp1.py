@@ -35,6 +35,7 @@ RATIOS = [
     ("gs_fsdp1_flat", "fsdp1_flat", "peak_live_mib", 1.00),
     ("gs_fsdp1", "fsdp1", "peak_live_mib", 1.00),
     ("gs_fsdp1_flat", "fsdp1_flat", "opt_s", None),
+    ("gs_fsdp1_flat_fwd", "fsdp1_flat_fwd", "step_s", None),  # only with --variants naming them (forward_prefetch=True)
 ]
 
 
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
             B.variant_table(records, args.variants, layers, args.reps), "", "## Ratios", ""]
     rows = []
     for subject, peer, key, target in RATIOS:
+        if subject not in args.variants or peer not in args.variants:
+            continue
         ratio = C.paired_ratio(B.per_rep(records, subject, layers, key, args.reps),
                                B.per_rep(records, peer, layers, key, args.reps))
         cell = C.fmt(ratio, 2)

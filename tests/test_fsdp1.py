@@ -301,3 +301,19 @@ def test_param_init_fn_runs_once_per_module_holding_meta_tensors_children_first_
     fsdp = _wrap_plain(model, param_init_fn=init, use_orig_params=True)
     assert calls == ["Linear", "Linear"]  # each module holding meta tensors once; containers never
     assert all(bool((p.to_local() == 0.5).all()) for p in fsdp.parameters())
+
+
+def test_apply_visits_the_modules_torchs_does():
+    import copy
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from graphshard.testing.models import Block
+
+    model = _model()
+    twin = TorchFSDP(copy.deepcopy(model), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    seen, theirs = [], []
+    _wrap(model).apply(lambda m: seen.append(type(m).__name__))
+    twin.apply(lambda m: theirs.append(type(m).__name__))
+    assert seen == theirs

@@ -138,7 +138,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                                backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                                limit_all_gathers=limit_all_gathers)
         self._unit_fqn = ""
-        self._root = self
+        self.__dict__["_root"] = self  # not a submodule (that would be a cycle in the module tree)
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = None
         self._optim_state_dict_config = None
