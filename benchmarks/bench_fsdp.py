@@ -265,7 +265,7 @@ def ratio_table(records, subject: str, layers: int, reps: int) -> tuple[str, dic
     return table, out
 
 
-def sharded_floor(records, subject: str, layers: int, reps: int) -> tuple[str, dict]:
+def sharded_floor(records, subject: str, layers: int, reps: int, peer: str = "fsdp2") -> tuple[str, dict]:
     """On a CPU machine the ranks' transfers run on the cores that compute, so no sharded
     step can beat ``local_compile``'s step plus the CPU seconds ``graphshard_comm`` spends on
     the same collectives. Per repetition (runs adjacent in time), then the median."""
@@ -275,13 +275,13 @@ def sharded_floor(records, subject: str, layers: int, reps: int) -> tuple[str, d
     comm = per_rep(records, COMM_ONLY, layers, "cpu_s", reps)
     local = per_rep(records, LOCAL_FLOOR, layers, "step_s", reps)
     floor = [a + b if a is not None and b is not None else None for a, b in zip(local, comm)]
-    over_fsdp2 = C.paired_ratio(floor, per_rep(records, "fsdp2", layers, "step_s", reps))
+    over_peer = C.paired_ratio(floor, per_rep(records, peer, layers, "step_s", reps))
     subject_over = C.paired_ratio(per_rep(records, subject, layers, "step_s", reps), floor)
     text = (f"Sharded floor = {LOCAL_FLOOR} step + {COMM_ONLY} CPU s/step (the compute, and the CPU that "
-            f"the same collectives take when run alone): {C.fmt(C.median(floor))} s; floor / fsdp2 "
-            f"{C.fmt(over_fsdp2, 2)} (a step-time ratio below it cannot be reached on this machine); "
+            f"the same collectives take when run alone): {C.fmt(C.median(floor))} s; floor / {peer} "
+            f"{C.fmt(over_peer, 2)} (a step-time ratio below it cannot be reached on this machine); "
             f"{subject} / floor {C.fmt(subject_over, 2)}")
-    return text, {"sharded_floor_s": C.median(floor), "sharded_floor_over_fsdp2": over_fsdp2,
+    return text, {"sharded_floor_s": C.median(floor), f"sharded_floor_over_{peer}": over_peer,
                   "subject_over_sharded_floor": subject_over}
 
 

@@ -419,6 +419,18 @@ def dtensor_of_local(local: torch.Tensor, info: ParamInfo) -> DTensor:
                               stride=torch.empty(info.logical_shape, device="meta").stride())
 
 
+def full_copy(local: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    """The whole of ``info``'s parameter from ``local`` (its shard, or a tensor laid out like
+    it), on every rank, in a tensor of its own. Over a world of one (or with no sharding) a
+    DTensor's ``full_tensor`` is the local tensor itself; a state dict or optimizer state
+    that aliased the live shard would change with the next step, so that case is copied."""
+    local = local.detach()
+    full = dtensor_of_local(local, info).full_tensor()
+    if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        full = full.clone()
+    return full
+
+
 class _ForwardDepth(threading.local):
     depth = 0
 

@@ -38,6 +38,8 @@ TWO_RANK = [
     "transformer:full_shard:pre:orig:cpuonly",
 ]
 FOUR_RANK = ["transformer:hybrid_shard:pre:flat:clip", "transformer:_hybrid_shard_zero2:pre:orig"]
+ONE_RANK = ["transformer:full_shard:pre:flat:summon:ws1"]
+"""World size 1: torch's FSDP1 runs FULL_SHARD as NO_SHARD there; summon and writeback as torch."""
 TORCH_WRONG = {"transformer:_hybrid_shard_zero2:pre:orig", "transformer:full_shard:pre:flat:tiedunits"}
 TORCH_CANNOT = {"transformer:full_shard:pre:orig:cpuonly", "transformer:full_shard:pre:orig:tiedunits"}
 """Cases torch's FSDP1 cannot run: on a CPU-only build ("FSDP needs a non-CPU accelerator
@@ -53,6 +55,7 @@ weight across units (below)."""
 def results():
     out = {r["case"]: r for r in torchrun("fsdp1.py", TWO_RANK, nproc=2)}
     out.update({r["case"]: r for r in torchrun("fsdp1.py", FOUR_RANK, nproc=4)})
+    out.update({r["case"]: r for r in torchrun("fsdp1.py", ONE_RANK, nproc=1)})
     return out
 
 
@@ -93,14 +96,14 @@ def test_ignored_parameters_are_not_reduced_as_in_torch(results, case):
     assert r["graphshard_param_err"] > 1e-4 and r["torch_param_err"] > 1e-4, r  # not averaged over the ranks
 
 
-@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK if c not in IGNORING + BATCHNORM])
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK + ONE_RANK if c not in IGNORING + BATCHNORM])
 def test_graphshard_fsdp_matches_the_single_process(results, case):
     r = results[case]
     assert r["graphshard_loss_err"] < TOL and r["graphshard_param_err"] < TOL and r["graphshard_norm_err"] < TOL, r
     assert r["graphshard_keys_match"], r
 
 
-@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK if c not in IGNORING + BATCHNORM])
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK + ONE_RANK if c not in IGNORING + BATCHNORM])
 def test_torch_fsdp1_on_the_same_program(results, case):
     """torch's own wrapper on the same program: equal to graphshard's, or wrong where noted."""
     r = results[case]
@@ -113,12 +116,15 @@ def test_torch_fsdp1_on_the_same_program(results, case):
     assert r["torch_loss_err"] < TOL and r["torch_param_err"] < TOL and r["between_param_err"] < TOL, r
 
 
-@pytest.mark.parametrize("case", [c for c in TWO_RANK if ":summon" in c])
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + ONE_RANK if ":summon" in c])
 def test_summon_full_params_as_torch(results, case):
     """The user's names and full shapes, the trained values, and +1 written back into the shards."""
     r = results[case]
     assert r["graphshard_summon"]["shapes"] == r["torch_summon"]["shapes"], r
     assert r["graphshard_summon"]["value_err"] == 0.0 and r["graphshard_summon"]["writeback_err"] < TOL, r
+    # writeback=False keeps changes exactly where torch's does (NO_SHARD, world size 1)
+    persisted = r["graphshard_summon"]["no_writeback_persisted"]
+    assert persisted == r["torch_summon"]["no_writeback_persisted"] == (":no_shard" in case or ":ws1" in case), r
     assert all("_fsdp_wrapped_module" not in n for n in r["graphshard_summon"]["shapes"]), r
 
 
@@ -132,7 +138,7 @@ def test_no_sync_backward_sends_nothing(results, case):
     assert r["torch_no_sync_reductions"] == r["graphshard_no_sync_reductions"], r
 
 
-@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK if c not in TORCH_CANNOT])
+@pytest.mark.parametrize("case", [c for c in TWO_RANK + FOUR_RANK + ONE_RANK if c not in TORCH_CANNOT])
 def test_named_parameters_are_torchs(results, case):
     r = results[case]
     assert r["graphshard_names"] == r["torch_names"], r
@@ -213,6 +219,28 @@ def test_summon_rank0_only_with_writeback_is_an_error():
     with pytest.raises(NotImplementedError, match="rank0_only=True and writeback=True"):
         with FSDP.summon_full_params(fsdp, rank0_only=True):
             pass
+
+
+def test_summon_inside_backward_is_an_error():
+    """torch raises when summon_full_params is entered from a backward hook; so does graphshard."""
+    from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+    fsdp = _wrap()
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    seen = []
+
+    def hook(grad):
+        try:
+            with FSDP.summon_full_params(fsdp):
+                pass
+        except AssertionError as e:
+            seen.append(str(e))
+        return grad
+
+    y.register_hook(hook)
+    y.sum().backward()
+    assert len(seen) == 1 and "within a forward or backward pass" in seen[0], seen
 
 
 def test_mixed_requires_grad_in_a_flat_unit_follows_torchs_rule():

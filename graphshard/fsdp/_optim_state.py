@@ -27,7 +27,7 @@ from torch.distributed.fsdp import OptimStateKeyType, StateDictType
 from torch.distributed.tensor import DTensor
 
 from graphshard.params import ParamInfo
-from graphshard.storage import FlatSlot, _stored_placements, dtensor_of_local
+from graphshard.storage import FlatSlot, _stored_placements, dtensor_of_local, full_copy
 
 
 class _Entry:
@@ -166,7 +166,7 @@ def _stored_layout(e: _Entry, i: int, value: torch.Tensor, name: str) -> torch.T
 
 
 def _full(local: torch.Tensor, info: ParamInfo, cpu_offload: bool) -> torch.Tensor:
-    v = dtensor_of_local(local, info).full_tensor() if info.shard is not None else local.detach().clone()
+    v = full_copy(local, info)
     return v.cpu() if cpu_offload else v
 
 

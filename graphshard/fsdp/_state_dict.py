@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
-from graphshard.storage import FLAT_PARAM, sharded_value, stored_local
+from graphshard.storage import FLAT_PARAM, full_copy, sharded_value, stored_local
 
 _CONFIGS = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -137,8 +137,7 @@ class StateDictMixin:
         values = {}
         for info in self._graphshard.infos.values():
             if kind == StateDictType.FULL_STATE_DICT:  # gathered in the stored dtype, not param_dtype
-                v = sharded_value(model, info).full_tensor() if info.shard is not None else \
-                    stored_local(model, info).detach().clone()
+                v = full_copy(stored_local(model, info), info)
                 if cfg.offload_to_cpu:
                     v = v.cpu()
             else:

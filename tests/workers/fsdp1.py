@@ -164,9 +164,18 @@ def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
                 p.add_(1.0)
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         after = fsdp.state_dict()
+    user_names = {n.replace("_fsdp_wrapped_module.", "") for n in shapes}
     written = max((after[k] - sd[k] - 1.0).abs().max().item() for k in after if after[k].is_floating_point()
-                  and k in {n.replace("_fsdp_wrapped_module.", "") for n in shapes})
-    return {"shapes": shapes, "value_err": value_err, "writeback_err": written}
+                  and k in user_names)
+    # writeback=False: torch discards the changes, unless it does not shard (NO_SHARD, world size 1)
+    with FSDP.summon_full_params(fsdp, writeback=False):
+        with torch.no_grad():
+            for _, p in fsdp.named_parameters():
+                p.add_(1.0)
+    with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        again = fsdp.state_dict()
+    persisted = max((again[k] - after[k]).abs().max().item() for k in user_names) > 0.5
+    return {"shapes": shapes, "value_err": value_err, "writeback_err": written, "no_writeback_persisted": persisted}
 
 
 def reference(model, logits, args: dict):
