@@ -30,6 +30,9 @@ def all_cases() -> list[str]:
     return cases
 
 
+WHOLE = ["llama:tp:whole"]
+"""Whole-graph lowering (no regions), against the regional ``llama:tp:inductor``."""
+
 # The CI share: the Llama family under every strategy and lowering, the written GPT-2 and
 # MoE plans, an encoder, an encoder-decoder and a vision model; Inductor where it compiles
 # once for many (the layers share regions), eager where a compile would add little.
@@ -37,12 +40,12 @@ QUICK = [
     "llama:fsdp:inductor", "llama:tp:inductor", "llama:tp:eager", "llama:fsdp_tp:eager",
     "qwen3:tp:inductor", "qwen3:fsdp_tp:inductor", "gemma2:tp:eager", "gemma3:tp:eager",
     "gpt2:tp:eager", "mixtral:tp:eager", "bert:fsdp:eager", "t5:fsdp:eager", "vit:fsdp:inductor",
-    "llama:tp:whole",
+    *WHOLE,
 ]
 
 
 def selected(config) -> list[str]:
-    return all_cases() if config.getoption("coverage") == "full" else QUICK
+    return all_cases() + WHOLE if config.getoption("coverage") == "full" else QUICK
 
 
 @pytest.fixture(scope="module")
