@@ -34,6 +34,7 @@ TWO_RANK = [
     "transformer:full_shard:pre:orig:tiedunits",
     "transformer:shard_grad_op:pre:orig:frozen",
     "bn:full_shard:pre:flat:bf16",
+    "bn:shard_grad_op:pre:flat:bf16:klp",
     "bn:shard_grad_op:pre:orig",
     "transformer:full_shard:pre:orig:cpuonly",
 ]
@@ -76,11 +77,15 @@ runs whose kernels round differently (torch's eager ops, graphshard's Inductor c
 
 @pytest.mark.parametrize("case", BATCHNORM)
 def test_mixed_precision_and_batchnorm_as_in_torch(results, case):
-    """bf16 MixedPrecision: fp32 sharded parameters and gradients after backward, buffers in
-    buffer_dtype on the module except the BatchNorm's (a _module_classes_to_ignore unit, fp32),
-    fp32 in the state dict; the same training as torch's FSDP1."""
+    """bf16 MixedPrecision: fp32 sharded parameters and gradients after backward (bf16 gradients
+    with keep_low_precision_grads, except the BatchNorm unit's), buffers in buffer_dtype on the
+    module except the BatchNorm's (a _module_classes_to_ignore unit, fp32), fp32 in the state
+    dict; the same training as torch's FSDP1."""
     r = results[case]
-    assert r["graphshard_dtypes"] == r["torch_dtypes"] == ["torch.float32"], r
+    expected = ["torch.bfloat16", "torch.float32"] if ":klp" in case else ["torch.float32"]
+    assert r["graphshard_dtypes"] == r["torch_dtypes"] == expected, r
+    if ":klp" in case:
+        assert r["graphshard_grad_dtypes"] == r["torch_grad_dtypes"], r
     assert r["graphshard_buffer_dtypes"] == r["torch_buffer_dtypes"], r
     assert r["graphshard_sd_dtypes"] == r["torch_sd_dtypes"], r
     tol = BF16_TOL if ":bf16" in case else TOL
@@ -241,6 +246,14 @@ def test_summon_inside_backward_is_an_error():
     y.register_hook(hook)
     y.sum().backward()
     assert len(seen) == 1 and "within a forward or backward pass" in seen[0], seen
+
+
+def test_keep_low_precision_grads_with_original_parameters_is_refused():
+    from torch.distributed.fsdp import MixedPrecision
+
+    mp = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    with pytest.raises(NotImplementedError, match="keep_low_precision_grads=True.*use_orig_params=False"):
+        _wrap(mixed_precision=mp, use_orig_params=True)
 
 
 def test_mixed_requires_grad_in_a_flat_unit_follows_torchs_rule():

@@ -121,11 +121,13 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 "whole model would be one unit, gathered at once. Name the block class (ModuleWrapPolicy({YourBlock})), "
                 "lower min_num_params, or pass auto_wrap_policy=None to shard the model as one unit on purpose"
             )
-        specs = {}
+        specs, low_precision_grads = {}, {}
         for fqn, _mod, overrides in units:
             unit_strategy = overrides.get("sharding_strategy", strategy)
             unit_mp = overrides.get("mixed_precision", mixed_precision)
             specs[fqn] = _unit_spec(unit_strategy, unit_mp, use_orig_params, mesh)
+            if unit_mp is not None and unit_mp.keep_low_precision_grads and unit_mp.param_dtype is not None:
+                low_precision_grads[fqn] = unit_mp.param_dtype
         plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()},
                     ignored_params=_ignored_globs(module, *ignored))
         shard(module, plan)
@@ -133,6 +135,9 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         if not state.units:
             raise ValueError(f"{type(module).__name__} has no parameters to shard; FullyShardedDataParallel needs some")
         self._graphshard = state
+        for fqn, dtype in low_precision_grads.items():
+            if fqn in state.flat:
+                state.flat[fqn].param.register_post_accumulate_grad_hook(functools.partial(_keep_grad_in, dtype))
         self._config = _Config(strategy=strategy, mixed_precision=mixed_precision, use_orig_params=use_orig_params,
                                cpu_offload=cpu_offload or CPUOffload(), mesh=mesh, plan=plan,
                                backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
@@ -495,13 +500,23 @@ def _device_type(device_id) -> str:
     return torch.device(device_id).type
 
 
+def _keep_grad_in(dtype: torch.dtype, flat_param: nn.Parameter) -> None:
+    """``keep_low_precision_grads``: a flat parameter's gradient in ``param_dtype`` after each
+    accumulation, as torch's FSDP1 keeps it (autograd hands it over in the parameter's dtype,
+    holding values reduced from ``param_dtype`` gradients; this rounds them as torch's cast does)."""
+    if flat_param.grad is not None and flat_param.grad.dtype != dtype:
+        flat_param.grad.data = flat_param.grad.data.to(dtype)
+
+
 def _unit_spec(strategy: ShardingStrategy, mp: MixedPrecision | None, use_orig_params: bool, mesh: DeviceMesh):
     dtypes = {}
     if mp is not None:
         dtypes = dict(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
-        if mp.keep_low_precision_grads:
-            raise NotImplementedError("graphshard.fsdp: MixedPrecision(keep_low_precision_grads=True) is not supported "
-                                      "yet; gradients come back in the parameters' dtype")
+        if mp.keep_low_precision_grads and use_orig_params:
+            raise NotImplementedError(
+                "graphshard.fsdp: MixedPrecision(keep_low_precision_grads=True) needs use_orig_params=False: a "
+                "DTensor parameter's gradient keeps the parameter's dtype. Use flat parameters (the default), or "
+                "drop keep_low_precision_grads")
     flat = not use_orig_params
     if strategy == ShardingStrategy.NO_SHARD:
         return Replicate(flat_params=flat, **dtypes)

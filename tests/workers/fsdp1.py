@@ -106,7 +106,7 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     kwargs = dict(args["fsdp"])
     if args["bf16"]:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                                   buffer_dtype=torch.bfloat16)
+                                                   buffer_dtype=torch.bfloat16, keep_low_precision_grads=args["klp"])
     if args["ignore"] == "ignore":
         kwargs["ignored_modules"] = [model.layers[0].ffn]
     elif args["ignore"] == "ignorestates":
@@ -136,6 +136,7 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         synced.append(_reductions(prof))
         dtypes.update(str(p.dtype) for p in fsdp.parameters())
         dtypes.update(str(p.grad.dtype) for p in fsdp.parameters() if p.grad is not None)
+        grad_dtypes = {n: str(p.grad.dtype) for n, p in fsdp.named_parameters() if p.grad is not None}
         if args["clip"]:
             norms.append(float(fsdp.clip_grad_norm_(0.05, args["norm_type"])))
         opt.step()
@@ -147,7 +148,7 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         sd = fsdp.state_dict()
     summoned = summon_and_write_back(FSDP, fsdp, sd) if args["summon"] else None
-    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced, sorted(dtypes), buffers, summoned)
+    return losses, norms, sd, [n for n, _ in fsdp.named_parameters()], (reductions, synced, sorted(dtypes), buffers, summoned, grad_dtypes)
 
 
 def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
@@ -226,7 +227,7 @@ def run_case(case: str) -> dict:
     args = {"fsdp": fsdp_args(strategy, prefetch, params, flags), "batch": per_rank * world, "clip": "clip" in flags or "clipinf" in flags,
             "norm_type": float("inf") if "clipinf" in flags else 2.0,
             "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None),
-            "bf16": "bf16" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags,
+            "bf16": "bf16" in flags, "klp": "klp" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags,
             "tiedunits": "tiedunits" in flags}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name, flags)
@@ -249,7 +250,7 @@ def run_case(case: str) -> dict:
         out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
         out[f"{name}_names"] = names
         (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
-         out[f"{name}_buffer_dtypes"], out[f"{name}_summon"]) = reductions
+         out[f"{name}_buffer_dtypes"], out[f"{name}_summon"], out[f"{name}_grad_dtypes"]) = reductions
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
