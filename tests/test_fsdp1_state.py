@@ -5,7 +5,8 @@ AdamW, 2 steps) writes checkpoints with each wrapper and the single process; fre
 the others load them (FULL_STATE_DICT + ``optim_state_dict``, SHARDED_STATE_DICT through
 ``torch.distributed.checkpoint``, LOCAL_STATE_DICT, the legacy optimizer-state functions) and
 their next step must give the writer's next loss and parameters (1e-5). The 2-rank sharded
-checkpoints are then loaded on 1 and on 4 ranks. The error paths run on the fake process group.
+checkpoints are then loaded on 1 and on 4 ranks; HYBRID_SHARD's FULL checkpoints (model and
+optimizer state) interchange the same way on 4 ranks. The error paths run on the fake process group.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ TWO_RANK = [
     "full:no_shard:orig",
     "sharded:flat:{dir}", "sharded:orig:{dir}", "local:flat:{dir}", "local:orig:{dir}", "legacy:flat", "legacy:orig",
 ]
+FOUR_RANK = ["full:hybrid_shard:flat", "full:hybrid_shard:orig"]  # a (2, 2) mesh: replicate x shard
 RESHARD = [1, 4]
-CASES = [c.replace(":{dir}", "") for c in TWO_RANK] + [f"reshard@{n}" for n in RESHARD]
+CASES = [c.replace(":{dir}", "") for c in TWO_RANK] + FOUR_RANK + [f"reshard@{n}" for n in RESHARD]
 
 _OFFLOAD = "torch optim_state_dict with offload_to_cpu=True vs unwrapped"
 TORCH_WRONG = {
-    ("full:full_shard:orig", _OFFLOAD), ("full:shard_grad_op:orig", _OFFLOAD),
+    ("full:full_shard:orig", _OFFLOAD), ("full:shard_grad_op:orig", _OFFLOAD), ("full:hybrid_shard:orig", _OFFLOAD),
     ("legacy:orig", "full_optim_state_dict(rank0_only=False) vs torch's"),
     ("legacy:orig", "full_optim_state_dict (rank 0) vs torch's"),
 }
@@ -46,6 +48,7 @@ def results(tmp_path_factory):
     out = {}
     for r in torchrun("fsdp1_state.py", [c.format(dir=root) for c in TWO_RANK], nproc=2):
         out[r["case"].replace(":" + root, "")] = r
+    out.update({r["case"]: r for r in torchrun("fsdp1_state.py", FOUR_RANK, nproc=4)})
     for n in RESHARD:  # the checkpoints the sharded cases left, loaded at other world sizes
         out[f"reshard@{n}"] = torchrun("fsdp1_state.py", [f"reshard:{root}"], nproc=n)[0]
     return out

@@ -73,7 +73,18 @@ def base(seed: int = 0) -> Transformer:
 
 def wrap(impl: str, model, strategy: str = "full_shard", params: str = "flat"):
     return IMPLS[impl](model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
-                       sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig")
+                       sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
+                       **hybrid_mesh(strategy))
+
+
+def hybrid_mesh(strategy: str) -> dict:
+    """Hybrid sharding: shard over pairs of ranks, replicate across the pairs (a 2-D mesh)."""
+    if "hybrid" not in strategy:
+        return {}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    return {"device_mesh": init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))}
 
 
 def adamw(model):
@@ -326,7 +337,7 @@ def case_full(r: Result, strategy: str, params: str):
     for impl in ("gs", "torch"):
         model = IMPLS[impl](base(0), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                             sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
-                            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+                            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), **hybrid_mesh(strategy))
         check_sd(r, f"{impl} mixed precision: full state dict vs the fp32 model", full_sd(impl, model),
                  base(0).state_dict())
     # torch's defect: FULL_STATE_DICT with offload_to_cpu=True on a CPU device raises (both ranks
