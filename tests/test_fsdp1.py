@@ -248,6 +248,24 @@ def test_summon_inside_backward_is_an_error():
     assert len(seen) == 1 and "within a forward or backward pass" in seen[0], seen
 
 
+def test_summon_inside_forward_is_an_error():
+    """A forward hook that enters summon_full_params: torch's AssertionError, not a gather
+    inside the compiled program."""
+    from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+    model = _model()
+    roots = []
+
+    def pre_hook(module, args):
+        with FSDP.summon_full_params(roots[0]):
+            pass
+
+    model.norm.register_forward_pre_hook(pre_hook)
+    roots.append(_wrap(model))
+    with pytest.raises(AssertionError, match="within a forward or backward pass"):
+        roots[0](torch.randint(0, 32, (2, 8)))
+
+
 def test_keep_low_precision_grads_with_original_parameters_is_refused():
     from torch.distributed.fsdp import MixedPrecision
 
