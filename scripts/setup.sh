@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what graphshard needs, idempotently: torch (>= 2.11; 2.13.0 CPU build here),
-# graphshard itself (editable) and the test tools (pytest, expecttest, transformers). Safe to run on every invocation.
+# graphshard itself (editable), the test tools (pytest, expecttest, transformers) and, on torch 2.13
+# CPU builds, TorchRec with fbgemm's CPU build (optional). Safe to run on every invocation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,6 +13,25 @@ fi
 # The model-coverage suite builds HF transformers architectures from tiny configs (no downloads).
 "$PY" -c 'import transformers, sys; sys.exit(transformers.__version__ != "5.24.0")' 2>/dev/null \
   || "$PY" -m pip install -q "transformers==5.24.0"
+# TorchRec, optional (the sparse frontend, graphshard.model_parallel): on torch 2.13 CPU builds,
+# fbgemm-gpu-cpu 1.8.0 (the fbgemm build that loads with it) and torchrec 1.9.2 installed without
+# pip's resolver (torchrec requires the CUDA fbgemm-gpu), then what torchrec imports.
+if "$PY" - <<'NEEDS_TORCHREC' 2>/dev/null; then
+import importlib.metadata as m, sys
+want = {"torchrec": "1.9.2", "fbgemm-gpu-cpu": "1.8.0", "tensordict": "0.15.3", "torchmetrics": "1.0.3",
+        "pyre-extensions": "0.0.32"}
+def version(p):
+    try:
+        return m.version(p)
+    except m.PackageNotFoundError:
+        return None
+torch = version("torch") or ""
+sys.exit(not (torch.startswith("2.13.") and "+cpu" in torch and any(version(p) != v for p, v in want.items())))
+NEEDS_TORCHREC
+  echo "setup: installing torchrec==1.9.2 and fbgemm-gpu-cpu==1.8.0 (optional, CPU)" >&2
+  "$PY" -m pip install -q --no-deps "fbgemm-gpu-cpu==1.8.0" "torchrec==1.9.2"
+  "$PY" -m pip install -q "tensordict==0.15.3" "torchmetrics==1.0.3" "pyre-extensions==0.0.32"
+fi
 # (Re)install unless graphshard is already importable from THIS checkout with its backend entry point.
 if ! "$PY" - "$PWD" <<'CHECK' 2>/dev/null; then
 import os, sys, importlib.metadata as m
