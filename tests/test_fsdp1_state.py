@@ -159,33 +159,30 @@ def test_orig_params_state_is_a_dtensor_like_its_parameter():
         assert st["exp_avg"].to_local().shape == p.to_local().shape
 
 
-def test_differing_step_in_one_flat_parameter_is_an_error():
-    from graphshard.fsdp import FullyShardedDataParallel as FSDP
-
-    fsdp, opt = _wrapped()
-    osd = _full_osd(fsdp, opt)
+def _set_step(osd):
     osd["state"]["layers.0.attn.wq.weight"]["step"] = torch.tensor(7.0)
-    with pytest.raises(ValueError, match="'step' differs between the parameters.*use_orig_params=True"):
-        FSDP.optim_state_dict_to_load(fsdp, opt, osd)
 
 
-def test_state_of_the_wrong_shape_is_an_error_naming_the_fqn():
-    from graphshard.fsdp import FullyShardedDataParallel as FSDP
-
-    fsdp, opt = _wrapped()
-    osd = _full_osd(fsdp, opt)
+def _wrong_shape(osd):
     osd["state"]["norm.weight"]["exp_avg"] = torch.zeros(3)
-    with pytest.raises(ValueError, match="'exp_avg' of 'norm.weight' has shape \\(3,\\)"):
-        FSDP.optim_state_dict_to_load(fsdp, opt, osd)
 
 
-def test_unknown_fqn_in_param_groups_is_an_error():
+def _unknown_fqn(osd):
+    osd["param_groups"][0]["params"].append("head.weight")
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (_set_step, "'step' differs between the parameters.*use_orig_params=True"),   # one flat parameter, two steps
+    (_wrong_shape, "'exp_avg' of 'norm.weight' has shape \\(3,\\)"),            # names the FQN
+    (_unknown_fqn, "'head.weight', which is no parameter of this optimizer"),     # in param_groups
+])
+def test_bad_optimizer_state_to_load_is_an_error(corrupt, match):
     from graphshard.fsdp import FullyShardedDataParallel as FSDP
 
     fsdp, opt = _wrapped()
     osd = _full_osd(fsdp, opt)
-    osd["param_groups"][0]["params"].append("head.weight")
-    with pytest.raises(ValueError, match="'head.weight', which is no parameter of this optimizer"):
+    corrupt(osd)
+    with pytest.raises(ValueError, match=match):
         FSDP.optim_state_dict_to_load(fsdp, opt, osd)
 
 
