@@ -41,6 +41,19 @@ def fake_mode_of(example_inputs) -> FakeTensorMode:
     return mode
 
 
+def allow_data_dependent_sizes(fake_mode: FakeTensorMode) -> None:
+    """Lets this compile's shape environment hold sizes only known when the program runs (the
+    ids an all-to-all delivers; ``.tolist()`` of its split sizes): unbacked sizes. Set on the
+    ShapeEnv of the one graph being compiled (dynamo makes one per frame), not on torch's
+    config, so nothing else in the process changes."""
+    env = fake_mode.shape_env
+    if env is None:
+        raise AssertionError("a graph with sparse lookups is traced without a shape environment")
+    import dataclasses
+
+    env.settings = dataclasses.replace(env.settings, allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True)
+
+
 def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 

@@ -145,10 +145,22 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
         state.explain.append(report)
     ctx = _context(keys, layouts, config, report, fake_mode)
     ctx.graph_index = report.index
+    ctx.sparse = _sparse_collections(traced)
+    if ctx.sparse:
+        _compat.allow_data_dependent_sizes(fake_mode)
     ctx.input_units = _input_units(traced)
     ctx.input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
     states = list({id(s): s for s in map(state_for_key, keys) if s is not None}.values())
     return Prepared(traced, ctx, fake_inputs, dtensor_positions, states)
+
+
+def _sparse_collections(gm: fx.GraphModule) -> dict:
+    """The embedding collections the graph looks up, by key (``shard_embeddings`` expands them)."""
+    from graphshard.sparse.collection import collection_for
+    from graphshard.sparse.ops import ops as sparse_ops
+
+    return {n.args[4]: collection_for(n.args[4]) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target == sparse_ops.embedding_bags.default}
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:

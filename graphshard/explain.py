@@ -27,11 +27,15 @@ class GraphReport:
     lowered_order: dict[str, list[str]] = field(default_factory=dict)  # stage -> order in generated code
     regions: dict[str, dict[str, int]] = field(default_factory=dict)  # stage -> regional lowering counts
     fallbacks: list[str] = field(default_factory=list)
+    sparse: list[str] = field(default_factory=list)  # sharded embedding collections: tables, sharding, kernels
     notes: list[str] = field(default_factory=list)
     compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     def format(self) -> str:
         lines = [f"graph {self.index}:"]
+        if self.sparse:
+            lines.append("  sharded embeddings:")
+            lines.extend(f"    {line}" for line in self.sparse)
         if self.units:
             lines.append("  units:")
             for unit, fqns in self.units.items():
@@ -88,7 +92,12 @@ def add_compute(events: list[str]) -> None:
 
 
 def _fmt_bytes(n) -> str:
-    n = int(n)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        n = int(n)
+    except GuardOnDataDependentSymNode:  # sized by the data (ids per batch): shown symbolically
+        return f"{n} B"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

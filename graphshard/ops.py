@@ -38,6 +38,7 @@ lib.define("to_partial(Tensor x, int rank) -> Tensor")
 lib.define("layout(Tensor x, str where, str axis, str placement, bool local) -> Tensor")
 lib.define("all_reduce_max(Tensor x, str group) -> Tensor")
 lib.define("all_gather_partial_grad(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
+lib.define("all_to_all(Tensor x, SymInt[] out_splits, SymInt[] in_splits, str group) -> Tensor")
 
 ops = torch.ops.graphshard
 
@@ -391,6 +392,16 @@ def _all_reduce_max_decomp(x, group):
     return _wait(c10d.all_reduce(x.contiguous(), "max", group))
 
 
+def _all_to_all_decomp(x, out_splits, in_splits, group):
+    """Rows of ``x`` (dim 0) split by ``in_splits`` go to the ranks in order; row blocks of sizes
+    ``out_splits`` come back (sparse ids and pooled embeddings between owners and users)."""
+    return _wait(c10d.all_to_all_single(x.contiguous(), list(out_splits), list(in_splits), group))
+
+
+def _fake_all_to_all(x, out_splits, in_splits, group):
+    return x.new_empty((sum(out_splits), *x.shape[1:]))
+
+
 def _fake_all_gather(x, dim, size, group, world, rank):
     shape = list(x.shape)
     shape[dim] = size
@@ -412,6 +423,7 @@ _DECOMPS = {
     "grad_all_reduce": (_grad_all_reduce_decomp, lambda x, group, world: torch.empty_like(x)),
     "to_partial": (_to_partial_decomp, lambda x, rank: torch.empty_like(x)),
     "all_reduce_max": (_all_reduce_max_decomp, lambda x, group: torch.empty_like(x)),
+    "all_to_all": (_all_to_all_decomp, _fake_all_to_all),
 }
 for _name, (_impl, _fake) in _DECOMPS.items():
     torch.library.impl(lib, _name, "CompositeExplicitAutograd")(
@@ -454,6 +466,11 @@ def _bw_grad_all_reduce(ctx, g):  # identity forward; a replicated input of shar
     return _all_reduce_sum(g, group), None, None
 
 
+def _bw_all_to_all(ctx, g):  # the rows go back where they came from
+    out_splits, in_splits, group = ctx.args
+    return _all_to_all_decomp(g, in_splits, out_splits, group), None, None, None
+
+
 def _bw_to_partial(ctx, g):  # Replicate -> Partial (one rank contributes): the gradient is whole everywhere
     return g, None
 
@@ -466,6 +483,7 @@ for _name, _bw in [
     ("reduce_scatter", _bw_reduce_scatter),
     ("shard", _bw_shard),
     ("grad_all_reduce", _bw_grad_all_reduce),
+    ("all_to_all", _bw_all_to_all),
 ]:
     torch.library.register_autograd(f"graphshard::{_name}", _bw, setup_context=_save_args)
 
@@ -484,5 +502,6 @@ def decompositions() -> dict:
         ops.grad_all_reduce.default: _grad_all_reduce_decomp,
         ops.to_partial.default: _to_partial_decomp,
         ops.all_reduce_max.default: _all_reduce_max_decomp,
+        ops.all_to_all.default: _all_to_all_decomp,
     }
 

@@ -252,9 +252,22 @@ class FusedTBE(nn.Module):
 
     def lookup(self, indices: torch.Tensor, offsets: torch.Tensor,
                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        return self.lookup_with(self.token, self.weights, self.momentum, self.lr, indices, offsets, per_sample_weights)
+
+    CONSTANTS = ("weights_offsets", "D_offsets", "hash_size_cumsum", "momentum_offsets", "rows")
+    """The layout tensors the kernels read that never change (a traced program holds them as constants)."""
+
+    def constants(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.CONSTANTS}
+
+    def lookup_with(self, token: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor,
+                    indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
+                    constants: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """``lookup`` with the state tensors (and, when tracing, the layout constants) given."""
+        c = constants or self.constants()
         return torch.ops.graphshard.tbe_lookup(
-            self.token, self.weights, self.momentum, self.lr, self.weights_offsets, self.D_offsets,
-            self.hash_size_cumsum, self.momentum_offsets, self.rows, indices, offsets, per_sample_weights,
+            token, weights, momentum, lr, c["weights_offsets"], c["D_offsets"], c["hash_size_cumsum"],
+            c["momentum_offsets"], c["rows"], indices, offsets, per_sample_weights,
             self.total_D, self.max_D, self.total_hash_size_bits, self.pooling, self.optimizer,
             list(self.optim_args), "\n".join(self.names), self.slot_row_offsets, self.bounds_check,
         )

@@ -32,6 +32,7 @@ class PassContext:
     input_requires_grad: list = field(default_factory=list)  # per graph input: whether it requires grad
     meshes: dict = field(default_factory=dict)  # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
     fake_mode: object = None
+    sparse: dict = field(default_factory=dict)  # embedding-collection key -> its SparseCollection on this rank
     random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
     stage: str = "pre_autograd"
     graph_index: int = 0
@@ -45,6 +46,7 @@ def pre_autograd_passes() -> list[Pass]:
     from graphshard.passes.localize_random import localize_random
     from graphshard.passes.localize_shapes import localize_shapes
     from graphshard.passes.relax_views import relax_views
+    from graphshard.passes.shard_embeddings import shard_embeddings
     from graphshard.passes.tag_resharding import tag_resharding
 
     return [
@@ -53,6 +55,7 @@ def pre_autograd_passes() -> list[Pass]:
         insert_collectives,   # needs every node's placement; replaces markers with unshard / local shards
         localize_shapes,      # after insertion: rewrites logical sizes to per-rank sizes, re-derives meta["val"]
         localize_random,      # after localization: a random op's local and logical sizes are both known; emits per-rank draws
+        shard_embeddings,     # on the per-rank program: a lookup's input and output are per-rank, its program has no logical form
         bucket_collectives,   # after localization: merges each unit's unshards into one collective
         tag_resharding,       # last: tags the final unshard nodes recompute/save for aot_autograd's partitioner
     ]

@@ -1,0 +1,16 @@
+"""TorchRec's ``DistributedModelParallel``, compiled by graphshard.
+
+Switch one import and keep the TorchRec model, plan and training loop::
+
+    from graphshard.model_parallel import DistributedModelParallel as DMP
+    model = DMP(dlrm, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan,
+                sharders=[EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
+                                                                      "learning_rate": 0.1})])
+
+Plans, sharders, ``ShardingEnv`` and ``KeyedJaggedTensor`` are TorchRec's own types
+(TorchRec is an optional dependency: ``pip install graphshard[torchrec]``).
+"""
+
+from graphshard.model_parallel._dmp import DistributedModelParallel
+
+__all__ = ["DistributedModelParallel"]

@@ -1,0 +1,159 @@
+"""``DistributedModelParallel``: TorchRec's DMP API over graphshard's compiler.
+
+The constructor shards each planned ``EmbeddingBagCollection`` in place (its fused tables
+move into fbgemm TBEs on the ranks that own them; its forward becomes the logical lookup the
+``shard_embeddings`` pass expands), then ``init_data_parallel`` lays the dense parameters
+(and data-parallel tables) out with a graphshard ``Plan`` (``Replicate``: DDP's semantics)
+and compiles the whole model as one program with the graphshard backend: the ids'
+all-to-alls, the lookups, the pooled embeddings' distribution and the dense network are one
+graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from graphshard.backend import graphshard_backend
+from graphshard.config import CompileConfig
+from graphshard.model_parallel import _plan, _state
+from graphshard.plan import Plan, Replicate
+from graphshard.sparse.collection import new_key
+from graphshard.sparse.torchrec import collection_layout, install
+from graphshard.storage import shard, state_of
+
+log = logging.getLogger("graphshard.model_parallel")
+
+
+class DistributedModelParallel(nn.Module):
+    """TorchRec's ``DistributedModelParallel`` (same signature), compiled by graphshard.
+
+    ``plan`` is a TorchRec ``ShardingPlan``; ``None`` places each table whole on one rank,
+    round-robin (``explain`` prints it). ``sharders`` supply the fused optimizer's
+    ``fused_params`` (``EmbeddingBagCollectionSharder(fused_params=...)``); an
+    ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
+    on the CPU, the tables keep the module's weights (``init_parameters`` only materializes
+    parameters on the meta device). ``data_parallel_wrapper``: None (the dense parameters are
+    replicated, their gradients averaged: DDP); graphshard compiles its own data parallelism,
+    so other wrappers are refused.
+    """
+
+    def __init__(self, module: nn.Module, env=None, device: torch.device | None = None, plan=None,
+                 sharders=None, init_data_parallel: bool = True, init_parameters: bool = True,
+                 data_parallel_wrapper=None) -> None:
+        super().__init__()
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+        if data_parallel_wrapper is not None:
+            raise NotImplementedError(
+                f"data_parallel_wrapper={type(data_parallel_wrapper).__name__}: graphshard compiles the dense "
+                "part's data parallelism itself (replicated, gradients averaged); pass None"
+            )
+        self._env = env if env is not None else ShardingEnv.from_process_group(dist.group.WORLD)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type != "cpu":
+            raise NotImplementedError(
+                f"device={self.device}: graphshard's sharded embeddings run fbgemm's CPU kernels so far; "
+                "use device='cpu' (gloo)"
+            )
+        self.init_parameters = init_parameters
+        self._dmp_wrapped_module = module
+        self._sharders = list(sharders) if sharders is not None else [EmbeddingBagCollectionSharder()]
+        found = _plan.find_modules(module)
+        world, rank = self._env.world_size, self._env.rank
+        if plan is None:
+            plan = ShardingPlan(_plan.round_robin(found, world, self.device.type))
+            log.info("DistributedModelParallel: no plan given; table-wise round-robin: %s", plan)
+        known = {f for _, fqns in found.values() for f in fqns}
+        for fqn in plan.plan:
+            if fqn not in known:
+                raise ValueError(
+                    f"the sharding plan names module {fqn!r}, which is not an EmbeddingBagCollection of this model; "
+                    f"its embedding modules are {sorted(known) or 'none'}"
+                )
+        self._plan = plan
+        group = dist.distributed_c10d._get_process_group_name(self._env.process_group) \
+            if hasattr(dist.distributed_c10d, "_get_process_group_name") else self._env.process_group.group_name
+        self._sharded: list[_plan.Sharded] = []
+        self._collections = []
+        for mod, fqns in found.values():
+            mp = _plan.module_plan(fqns, plan)
+            if mp is None:
+                log.warning("DistributedModelParallel: %s is not in the plan; it stays a dense, data-parallel module", fqns[0])
+                continue
+            sharder = self._sharder_for(mod)
+            fused = _plan.fused_params_of(mod, fqns[0], sharder)
+            layout = collection_layout(mod, tuple(fqns), mp, world=world, rank=rank, group=group,
+                                       key=new_key(fqns[0]))
+            self._collections.append(install(mod, layout, fused))
+            self._sharded.append(_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
+        self._optim = _state.FusedOptimizer(self._collections)
+        self._ddp_wrapped = False
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    def _sharder_for(self, mod: nn.Module):
+        for s in self._sharders:
+            if isinstance(mod, s.module_type):
+                return s
+        raise ValueError(f"no sharder in `sharders` handles {type(mod).__name__}; add EmbeddingBagCollectionSharder()")
+
+    # ---- data parallelism and compilation ----
+    def init_data_parallel(self) -> None:
+        """Lays the dense parameters out (replicated) and compiles the model. Safe to call more than once."""
+        if self._ddp_wrapped:
+            return
+        module = self._dmp_wrapped_module
+        if self.init_parameters:
+            _state.materialize_meta(module, self.device)
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
+        if state_of(module) is None:
+            shard(module, Plan(mesh, {"": Replicate()}))
+        module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
+        self._ddp_wrapped = True
+
+    def forward(self, *args, **kwargs) -> Any:
+        _state.check_inputs(args, kwargs)
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    # ---- TorchRec's accessors ----
+    @property
+    def module(self) -> nn.Module:
+        """The sharded module, without any wrapper."""
+        return self._dmp_wrapped_module
+
+    @property
+    def plan(self):
+        return self._plan
+
+    @property
+    def fused_optimizer(self):
+        return self._optim
+
+    def copy(self, device: torch.device) -> "DistributedModelParallel":
+        device = torch.device(device)
+        if device != self.device:
+            raise NotImplementedError(f"copy({device}): graphshard's sharded embeddings run on the CPU only so far")
+        return self
+
+    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:
+        return _state.state_dict(self, destination, prefix, keep_vars)
+
+    def load_state_dict(self, state_dict, prefix: str = "", strict: bool = True):
+        return _state.load_state_dict(self, state_dict, prefix, strict)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return _state.named_parameters(self, prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return _state.named_buffers(self, prefix, recurse, remove_duplicate)

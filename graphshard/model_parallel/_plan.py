@@ -1,0 +1,120 @@
+"""Which embedding modules DMP shards, under which plan, with which fused optimizer.
+
+- Each sharded module is found once by identity, with every FQN it is reachable under (two
+  towers holding one ``EmbeddingBagCollection``). The plan may name any of those FQNs; the
+  same plan under several of them is one plan, two different plans for one module is an error.
+- ``plan=None``: table-wise, round-robin over the ranks, fused kernel (until graphshard's
+  planner exists); ``explain`` prints it.
+- The fused optimizer of a module's tables: ``apply_optimizer_in_backward`` on its table
+  weights (TorchRec's in-backward optimizer, read from the parameters), else the sharder's
+  ``fused_params``, else fbgemm's defaults (EXACT_SGD, learning rate 0.01).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+log = logging.getLogger("graphshard.model_parallel")
+
+
+@dataclass
+class Sharded:
+    module: nn.Module
+    fqns: tuple[str, ...]
+    plan: dict            # table -> ParameterSharding
+    fused_params: dict
+    sharder: object
+
+
+def _ebc_type():
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return EmbeddingBagCollection
+
+
+def find_modules(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
+    """Sharding candidates (TorchRec ``EmbeddingBagCollection`` s) by identity, with all their FQNs."""
+    found: dict[int, tuple[nn.Module, list[str]]] = {}
+    ebc = _ebc_type()
+    for fqn, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, ebc):
+            found.setdefault(id(mod), (mod, []))[1].append(fqn)
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    for fqn, mod in model.named_modules():
+        if isinstance(mod, EmbeddingCollection):
+            raise NotImplementedError(
+                f"{fqn!r} is an EmbeddingCollection (sequence embeddings); graphshard's DistributedModelParallel "
+                "shards EmbeddingBagCollection so far"
+            )
+    return found
+
+
+def _same(a, b) -> bool:
+    return (a.sharding_type == b.sharding_type and a.compute_kernel == b.compute_kernel and a.ranks == b.ranks
+            and str(a.sharding_spec) == str(b.sharding_spec))
+
+
+def module_plan(fqns: list[str], plan) -> dict | None:
+    """The plan entry for a module reachable under ``fqns``: None if the plan names none of them."""
+    entries = [(f, plan.plan[f]) for f in fqns if plan is not None and f in plan.plan]
+    if not entries:
+        return None
+    first_fqn, first = entries[0]
+    for fqn, other in entries[1:]:
+        tables = set(first) | set(other)
+        if set(first) != set(other) or not all(_same(first[t], other[t]) for t in tables):
+            raise ValueError(
+                f"the plan gives the module reachable as {first_fqn!r} and {fqn!r} (one module, shared) two different "
+                "shardings; a module is sharded once: give both FQNs the same plan or name only one"
+            )
+    return dict(first)
+
+
+def round_robin(found: dict, world: int, device_type: str) -> dict[str, dict]:
+    """Table-wise plans, tables placed on ranks 0, 1, ... in order across modules, fused kernel."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+
+    plans, rank = {}, 0
+    for mod, fqns in found.values():
+        per_param = {}
+        for cfg in mod.embedding_bag_configs():
+            per_param[cfg.name] = table_wise(rank=rank % world)
+            rank += 1
+        plans[fqns[0]] = construct_module_sharding_plan(mod, per_param_sharding=per_param, world_size=world,
+                                                        device_type=device_type)
+    return plans
+
+
+def fused_params_of(module: nn.Module, fqn: str, sharder) -> dict:
+    """The fused optimizer's fbgemm keywords for ``module``'s tables."""
+    from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
+
+    params = dict(getattr(sharder, "fused_params", None) or {})
+    in_backward = {}
+    for name, p in module.named_parameters():
+        classes = getattr(p, "_optimizer_classes", None)
+        if classes:
+            kwargs = dict(p._optimizer_kwargs[0])
+            in_backward[name] = (classes[0], tuple(sorted(kwargs.items())))
+    if in_backward:
+        if len(set(in_backward.values())) > 1:
+            raise NotImplementedError(
+                f"{fqn}: apply_optimizer_in_backward gave its tables different optimizers "
+                f"({ {k: v[0].__name__ for k, v in in_backward.items()} }); graphshard fuses one optimizer per module"
+            )
+        cls, kwargs = next(iter(in_backward.values()))
+        kwargs = dict(kwargs)
+        params["optimizer"] = optimizer_type_to_emb_opt_type(cls)
+        if "lr" in kwargs:
+            params["learning_rate"] = kwargs.pop("lr")
+        for k in ("eps", "weight_decay"):
+            if k in kwargs:
+                params[k] = kwargs.pop(k)
+        for k in ("initial_accumulator_value", "lr_decay"):
+            if kwargs.get(k, 0) != 0:
+                raise NotImplementedError(f"{fqn}: in-backward optimizer argument {k}={kwargs[k]} has no fbgemm equivalent")
+    return params

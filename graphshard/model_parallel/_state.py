@@ -1,0 +1,123 @@
+"""DMP's state: the fused optimizer, input checks, state dicts, parameter and buffer listings."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+
+_TBE_PREFIX = "_graphshard_tbes"
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+
+
+class FusedOptimizer:
+    """The in-backward (fused) optimizer of the sharded tables: TorchRec's ``fused_optimizer``.
+
+    The update already happened in the backward; ``step`` and ``zero_grad`` do nothing. One
+    param group per sharded module; setting its ``lr`` changes the kernels' learning rate.
+    """
+
+    def __init__(self, collections: list):
+        self._collections = collections
+        self.param_groups = [_LrGroup(c) for c in collections]
+
+    def step(self, closure=None) -> None:
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"FusedOptimizer({[c.layout.fqns[0] for c in self._collections]})"
+
+
+class _LrGroup(dict):
+    def __init__(self, coll):
+        tbes = list(coll.tbes.values())
+        super().__init__(lr=float(tbes[0].lr) if tbes else 0.0, params=[], module=coll.layout.fqns[0])
+        self._tbes = tbes
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if key == "lr":
+            for t in self._tbes:
+                t.lr.fill_(float(value))
+
+
+def materialize_meta(module: nn.Module, device: torch.device) -> None:
+    for fqn, p in module.named_parameters():
+        if p.is_meta:
+            raise NotImplementedError(
+                f"parameter {fqn!r} is on the meta device; graphshard's DistributedModelParallel keeps the module's "
+                "weights, so build the model on the CPU"
+            )
+
+
+def check_inputs(args, kwargs) -> None:
+    """Every KeyedJaggedTensor argument (top level or one attribute down) has as many values as its
+    lengths sum to; checked before the compiled program, which could not say which input is wrong."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    def visit(x, where):
+        if isinstance(x, KeyedJaggedTensor):
+            total = int(x.lengths().sum()) if x.lengths().numel() else 0
+            if total != x.values().numel():
+                raise ValueError(
+                    f"{where}: the KeyedJaggedTensor's lengths sum to {total} but it has {x.values().numel()} values "
+                    f"(keys {x.keys()}); lengths are per feature and sample, values all the ids"
+                )
+            w = x.weights_or_none()
+            if w is not None and w.numel() != x.values().numel():
+                raise ValueError(f"{where}: the KeyedJaggedTensor has {w.numel()} weights for {x.values().numel()} values")
+
+    for i, a in enumerate(args):
+        visit(a, f"argument {i}")
+        for k, v in getattr(a, "__dict__", {}).items():
+            visit(v, f"argument {i}.{k}")
+    for k, a in kwargs.items():
+        visit(a, f"argument {k!r}")
+
+
+def _strip(prefix: str, name: str) -> bool:
+    return _TBE_PREFIX in name.split(".")
+
+
+def named_parameters(dmp, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, nn.Parameter]]:
+    yield from dmp.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def named_buffers(dmp, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, b in dmp.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
+        if not _strip(prefix, name):
+            yield name, b
+
+
+def state_dict(dmp, destination, prefix: str, keep_vars: bool) -> dict[str, Any]:
+    out = dmp.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+    for k in [k for k in out if _strip(prefix, k)]:
+        del out[k]
+    from graphshard.model_parallel._tables import table_entries
+
+    for coll in dmp._collections:
+        for fqn in coll.layout.fqns:
+            out.update(table_entries(coll, f"{prefix}{fqn}." if fqn else prefix))
+    return out
+
+
+def load_state_dict(dmp, state: dict, prefix: str, strict: bool):
+    from graphshard.model_parallel._tables import load_tables
+
+    state = dict(state)
+    missing, unexpected = [], []
+    for coll in dmp._collections:
+        load_tables(coll, state, prefix, missing)
+    result = dmp.module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
+                                        strict=False)
+    missing += [f"{prefix}{k}" for k in result.missing_keys if not _strip("", k)]
+    unexpected += [f"{prefix}{k}" for k in result.unexpected_keys]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading state_dict for DistributedModelParallel: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    return IncompatibleKeys(missing, unexpected)

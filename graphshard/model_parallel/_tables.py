@@ -1,0 +1,87 @@
+"""Sharded tables in the state dict: each fused table as a DTensor over the ranks that hold it.
+
+- row-wise: ``Shard(0)`` over the whole mesh (TorchRec's row blocks are torch.chunk's pieces);
+- column-wise: ``Shard(1)`` over the mesh of the ranks that hold the column blocks, in column
+  order (equal blocks; a rank holds one block);
+- table-wise: ``Replicate()`` over a one-rank mesh: the owner's whole table.
+
+The local tensor of each DTensor is a view of the TBE's weights, so a state dict reads the live
+values and loading writes into the TBE. Ranks outside a table's mesh hold an empty piece;
+``torch.distributed.checkpoint`` saves and loads each piece by its global offset, so a
+checkpoint reloads under another plan or world size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
+    return DeviceMesh(device_type, list(ranks))
+
+
+def _meshes(coll):
+    """Per table: (mesh, placements) of its DTensor."""
+    out = {}
+    world = coll.layout.world
+    for t in coll.layout.tables:
+        if t.sharding_type == "row_wise":
+            out[t.name] = (tuple(range(world)), [Shard(0)])
+        elif t.sharding_type == "table_wise":
+            out[t.name] = ((t.shards[0].rank,), [Replicate()])
+        elif t.sharding_type == "column_wise":
+            shards = sorted(t.shards, key=lambda s: s.col_offset)
+            ranks = tuple(s.rank for s in shards)
+            if len(set(ranks)) != len(ranks) or len({s.cols for s in shards}) != 1:
+                raise NotImplementedError(
+                    f"table {t.name!r}: a column-wise table with two blocks on one rank or unequal blocks has no "
+                    "DTensor form; give each rank one equal column block"
+                )
+            out[t.name] = (ranks, [Shard(1)])
+    return out
+
+
+def _dtensor(coll, table: str, ranks, placements) -> DTensor:
+    t = coll.table(table)
+    mesh = _mesh("cpu", ranks)
+    pieces = coll.local_pieces(table)
+    local = pieces[0][1] if pieces else torch.empty(0, t.embedding_dim)
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size((t.num_embeddings, t.embedding_dim)),
+                              stride=(t.embedding_dim, 1))
+
+
+def table_entries(coll, prefix: str) -> dict[str, DTensor]:
+    return {f"{prefix}embedding_bags.{name}.weight": _dtensor(coll, name, ranks, pl)
+            for name, (ranks, pl) in _meshes(coll).items()}
+
+
+def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
+    """Copies each fused table's entry (a DTensor of any layout, or a full tensor) into this
+    rank's pieces; removes the entries it used from ``state``."""
+    for fqn in coll.layout.fqns:
+        for t in coll.layout.tables:
+            if not t.fused:
+                continue
+            key = f"{prefix}{fqn + '.' if fqn else ''}embedding_bags.{t.name}.weight"
+            if key not in state:
+                if fqn == coll.layout.fqns[0] and not any(
+                        f"{prefix}{f + '.' if f else ''}embedding_bags.{t.name}.weight" in state for f in coll.layout.fqns):
+                    missing.append(key)
+                continue
+            value = state.pop(key)
+            if isinstance(value, DTensor):
+                if value.device_mesh.get_coordinate() is None:
+                    continue  # this rank holds none of it (and so, under the same plan, none of the table)
+                value = value.full_tensor()
+            if tuple(value.shape) != (t.num_embeddings, t.embedding_dim):
+                raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the table's "
+                                 f"({t.num_embeddings}, {t.embedding_dim})")
+            with torch.no_grad():
+                for s, piece in coll.local_pieces(t.name):
+                    piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])

@@ -1,0 +1,119 @@
+"""One sharded embedding collection on one rank: its fused TBEs, its data-parallel tables, its program.
+
+The collection's tables live in at most two fused TBEs on this rank (``"a2a"``: the table- and
+column-wise shards it owns; ``"rw"``: its row block of each row-wise table), held as modules
+under the user's module, so the compiled program receives their tensors as inputs; the
+data-parallel tables stay the module's own ``nn.Parameter`` s. ``tables()`` gives every
+table's local piece as a view of that storage (the state dict reads and writes through it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+import torch.nn as nn
+
+from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
+from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
+from graphshard.sparse.program import LocalPlan, local_plan, sharded_lookup
+
+_COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def collection_for(key: str) -> "SparseCollection":
+    coll = _COLLECTIONS.get(key)
+    if coll is None:
+        raise KeyError(f"no sharded embedding collection {key!r} (its model was freed?)")
+    return coll
+
+
+def new_key(fqn: str) -> str:
+    return f"s{next(_ids)}/{fqn}"
+
+
+class SparseCollection:
+    """The sharded state and program of one collection on this rank.
+
+    ``weights``: each table's full logical weight (``[rows, dim]``, on any device); this rank
+    copies its pieces into the TBEs. ``dp_params``: the data-parallel tables' parameters, by
+    table name (they stay where they are). ``fused_params``: fbgemm's optimizer keywords.
+    """
+
+    def __init__(self, layout: CollectionLayout, weights: dict[str, torch.Tensor], dp_params: dict[str, nn.Parameter],
+                 fused_params: dict, bounds_check: bool = True):
+        layout.check()
+        self.layout = layout
+        self.plan: LocalPlan = local_plan(layout)
+        self.fused_params = dict(fused_params)
+        self.bounds_check = bounds_check
+        self.dp_params = dp_params
+        self.tbes = nn.ModuleDict()
+        self.pieces: dict[str, list[tuple[TableShard, str, int]]] = {}  # table -> (shard, tbe name, table index)
+        rank = layout.rank
+        groups = {
+            "a2a": self._distinct([(s.table, s.shard) for s in self.plan.a2a_slots[rank]]),
+            "rw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables([t for t, _ in self.plan.rw_features])],
+        }
+        for name, shards in groups.items():
+            if not shards:
+                continue
+            slots = [TBESlot(i, f"feature {f!r} (table {t.name!r})") for i, (t, _) in enumerate(shards) for f in t.features]
+            tbe = FusedTBE([(s.rows, s.cols) for _, s in shards], slots, fused_params=self.fused_params,
+                           row_offsets=[s.row_offset for _, s in shards], bounds_check=False)
+            with torch.no_grad():
+                for i, (t, s) in enumerate(shards):
+                    w = weights[t.name]
+                    tbe.table(i).copy_(w[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+                    self.pieces.setdefault(t.name, []).append((s, name, i))
+            self.tbes[name] = tbe
+        _COLLECTIONS[layout.key] = self
+
+    @staticmethod
+    def _distinct(pairs):
+        seen, out = set(), []
+        for t, s in pairs:
+            if (t.name, s) not in seen:
+                seen.add((t.name, s))
+                out.append((t, s))
+        return out
+
+    @staticmethod
+    def _distinct_tables(tables):
+        seen, out = set(), []
+        for t in tables:
+            if t.name not in seen:
+                seen.add(t.name)
+                out.append(t)
+        return out
+
+    # ---- what the program reads ----
+    def state_tensors(self) -> list[torch.Tensor]:
+        out = []
+        for name in ("a2a", "rw"):
+            if name in self.tbes:
+                tbe = self.tbes[name]
+                out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]
+        return out + [self.dp_params[t.name] for t in self.plan.dp_tables]
+
+    def state_requires_grad(self) -> list[bool]:
+        """Per ``state_tensors()`` entry: whether the program's autograd flows into it."""
+        return [isinstance(t, torch.Tensor) and t.requires_grad for t in self.state_tensors()]
+
+    def run(self, values, lengths, weights, state, keys, constants=None):
+        return sharded_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
+                              weights, list(state), torch.float32, constants, self.bounds_check)
+
+    # ---- what the state dict and the optimizer read ----
+    def local_pieces(self, table: str) -> list[tuple[TableShard, torch.Tensor]]:
+        """This rank's pieces of a sharded table, each a view of the TBE's weights."""
+        return [(s, self.tbes[name].table(i)) for s, name, i in self.pieces.get(table, [])]
+
+    def local_state(self, table: str) -> list[tuple[TableShard, torch.Tensor | None]]:
+        """This rank's pieces of a table's fused optimizer state (row-wise Adagrad: one value per row)."""
+        return [(s, self.tbes[name].state(i)) for s, name, i in self.pieces.get(table, [])]
+
+    def table(self, name: str) -> TableLayout:
+        return next(t for t in self.layout.tables if t.name == name)

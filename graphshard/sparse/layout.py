@@ -1,0 +1,139 @@
+"""Where each embedding table's rows and columns live: the facts the sharded lookup is built from.
+
+A *collection* is one embedding module (TorchRec's ``EmbeddingBagCollection``): tables, each
+looked up by one or more features, pooled per sample. Each table has a sharding type and its
+shards (a rank, a block of rows, a block of columns):
+
+- ``table_wise``: one shard, the whole table, on one rank;
+- ``column_wise``: shards of whole rows and a block of columns each, on any ranks;
+- ``row_wise``: one block of rows per rank (``ceil(rows / world)`` each, the last one shorter);
+- ``data_parallel``: the table replicated, looked up locally, its gradient averaged.
+
+The layout is the only place these facts live; the sharded program (``program.py``) and the
+state dict read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
+
+
+@dataclass(frozen=True)
+class TableShard:
+    rank: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    features: tuple[str, ...]
+    pooling: str  # "sum" | "mean"
+    sharding_type: str
+    shards: tuple[TableShard, ...]
+
+    @property
+    def fused(self) -> bool:
+        """Looked up by a fused TBE (a sharded table); data-parallel tables are dense parameters."""
+        return self.sharding_type != "data_parallel"
+
+    def check(self, world: int) -> None:
+        where = f"table {self.name!r}"
+        if self.sharding_type not in SHARDING_TYPES:
+            raise NotImplementedError(
+                f"{where}: sharding type {self.sharding_type!r} is not supported; use one of {SHARDING_TYPES}"
+            )
+        for s in self.shards:
+            if not 0 <= s.rank < world:
+                raise ValueError(f"{where}: a shard is placed on rank {s.rank}, outside the world of {world} ranks")
+        if self.sharding_type == "table_wise" and (
+                len(self.shards) != 1 or self.shards[0].rows != self.num_embeddings
+                or self.shards[0].cols != self.embedding_dim):
+            raise ValueError(f"{where}: table-wise sharding places the whole table on one rank")
+        if self.sharding_type == "column_wise":
+            cols = sorted((s.col_offset, s.cols) for s in self.shards)
+            at = 0
+            for off, n in cols:
+                if off != at or n <= 0:
+                    break
+                at += n
+            if at != self.embedding_dim or any(s.rows != self.num_embeddings for s in self.shards):
+                raise ValueError(
+                    f"{where}: column-wise shards {[(o, n) for o, n in cols]} do not tile the embedding dim "
+                    f"{self.embedding_dim}; the column split must divide the dim into whole blocks"
+                )
+        if self.sharding_type == "row_wise":
+            ranks = sorted(s.rank for s in self.shards)
+            if ranks != list(range(world)):
+                raise NotImplementedError(
+                    f"{where}: row-wise sharding needs one row block on every rank, got ranks {ranks}"
+                )
+            block = self.row_block
+            for i, s in enumerate(sorted(self.shards, key=lambda s: s.row_offset)):
+                want = min(block, self.num_embeddings - i * block)
+                if s.row_offset != i * block or s.rows != want or want <= 0:
+                    raise NotImplementedError(
+                        f"{where}: row-wise shards must be blocks of ceil(rows / world) = {block} rows in order "
+                        f"(the last one shorter, none empty); got rows {s.row_offset}..{s.row_offset + s.rows - 1} "
+                        f"as block {i}"
+                    )
+
+    @property
+    def row_block(self) -> int:
+        return max(s.rows for s in self.shards)
+
+    def shard_on(self, rank: int) -> list[TableShard]:
+        return [s for s in self.shards if s.rank == rank]
+
+
+@dataclass(frozen=True)
+class CollectionLayout:
+    """One embedding collection on one rank of ``world`` (c10d group ``group``)."""
+
+    key: str
+    fqns: tuple[str, ...]
+    tables: tuple[TableLayout, ...]
+    weighted: bool
+    world: int
+    rank: int
+    group: str
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The features in output order: each table's, tables in order (TorchRec's EBC order)."""
+        return tuple(f for t in self.tables for f in t.features)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(t.embedding_dim for t in self.tables for _ in t.features)
+
+    @property
+    def total_dim(self) -> int:
+        return sum(self.dims)
+
+    def table_of(self, feature: str) -> TableLayout:
+        return next(t for t in self.tables if feature in t.features)
+
+    def check(self) -> None:
+        seen: dict[str, str] = {}
+        for t in self.tables:
+            t.check(self.world)
+            for f in t.features:
+                if f in seen:
+                    raise ValueError(
+                        f"{self.fqns[0]}: feature {f!r} is looked up in tables {seen[f]!r} and {t.name!r}; "
+                        "each feature names one table"
+                    )
+                seen[f] = t.name
+            if self.weighted and t.pooling == "mean":
+                raise NotImplementedError(
+                    f"{self.fqns[0]}: table {t.name!r} pools by mean with per-sample weights; "
+                    "weighted lookups pool by sum (torch.nn.EmbeddingBag refuses the same)"
+                )

@@ -1,0 +1,69 @@
+"""The sparse ops of the traced program.
+
+``graphshard::embedding_bags`` is the *logical* lookup of one embedding collection: what the
+user's module computes, as one node with the output's shape (``[batch, total_dim]``). The
+``shard_embeddings`` pass replaces it with the collection's sharded program
+(``program.sharded_lookup``). Run eagerly it computes the same forward (a debugging path, no
+gradient: a sharded collection trains compiled).
+
+``graphshard::check_ids`` is the input's bounds check: every id of a feature must lie in its
+table's rows; the error names the feature and the table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+lib = torch.library.Library("graphshard", "FRAGMENT")
+lib.define("embedding_bags(Tensor values, Tensor lengths, Tensor? weights, Tensor[] state, str key, "
+           "str[] keys, int total_dim) -> Tensor")
+lib.define("check_ids(Tensor values, Tensor lengths, int[] limits, str names) -> Tensor")
+
+
+def _embedding_bags_eager(values, lengths, weights, state, key, keys, total_dim):
+    from graphshard.sparse.collection import collection_for
+
+    return collection_for(key).run(values, lengths, weights, list(state), list(keys))
+
+
+def _embedding_bags_fake(values, lengths, weights, state, key, keys, total_dim):
+    return values.new_empty((lengths.shape[0] // len(keys), total_dim), dtype=torch.float32)
+
+
+def _embedding_bags_setup(ctx, inputs, output):
+    ctx.key = inputs[4]
+
+
+def _embedding_bags_backward(ctx, grad):
+    raise RuntimeError(
+        f"graphshard's sharded embedding collection {ctx.key.split('/', 1)[-1]!r} ran eagerly with autograd; "
+        "it trains compiled: call the DistributedModelParallel module (or torch.compile(..., backend='graphshard'))"
+    )
+
+
+torch.library.impl(lib, "embedding_bags", "CompositeExplicitAutograd")(_embedding_bags_eager)
+torch.library.register_fake("graphshard::embedding_bags")(_embedding_bags_fake)
+torch.library.register_autograd("graphshard::embedding_bags", _embedding_bags_backward,
+                                setup_context=_embedding_bags_setup)
+
+
+def _check_ids_eager(values, lengths, limits, names):
+    rows = len(limits)
+    counts = lengths.view(rows, -1).sum(1)
+    limit = torch.repeat_interleave(torch.tensor(limits, dtype=values.dtype, device=values.device), counts,
+                                    output_size=values.numel())
+    bad = (values < 0) | ((values >= limit) & (limit >= 0))
+    if values.numel() and bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        row = int(torch.searchsorted(counts.cumsum(0), i, right=True))
+        raise ValueError(
+            f"id {int(values[i])} of {names.splitlines()[row]} is outside the table's {limits[row]} rows; "
+            "ids must lie in [0, num_embeddings)"
+        )
+    return values.clone()
+
+
+torch.library.impl(lib, "check_ids", "CompositeExplicitAutograd")(_check_ids_eager)
+torch.library.register_fake("graphshard::check_ids")(lambda values, lengths, limits, names: torch.empty_like(values))
+
+ops = torch.ops.graphshard

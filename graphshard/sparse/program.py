@@ -1,0 +1,197 @@
+"""The per-rank program of a sharded embedding collection: input distribution, lookup, output distribution.
+
+Plain torch code over tensors, run eagerly (debugging) or traced by the ``shard_embeddings``
+pass into the compiled program, where every step is a graph node:
+
+- *input distribution*: the local batch's ids (a KJT: ``lengths`` per feature and sample,
+  ``values``) go to the ranks that own their rows. Table- and column-wise features are
+  selected per destination (``fbgemm::permute_2D_sparse_data``); row-wise ids are bucketized
+  by row block (``fbgemm::block_bucketize_sparse_features``, ids made local to the block).
+  Lengths go by an all-to-all of static sizes; their sums give the sizes of the ids'
+  all-to-all (data-dependent: ``.tolist()`` in the program, unbacked sizes in the graph).
+  Received ids are regrouped feature-major over the world's batch ("recat").
+- *lookup*: one fused TBE per rank and group (``graphshard::tbe_lookup``), pooled by sum;
+  data-parallel tables by ``embedding_bag`` on the replicated weight.
+- *output distribution*: pooled rows go back to the rank whose sample they are, by an
+  all-to-all (table- and column-wise) or a reduce-scatter (row-wise: each rank summed only
+  its rows); columns are put in the collection's order; mean pooling divides by the bag size.
+
+Backward comes from autograd: the all-to-alls' transposes, the reduce-scatter's all-gather,
+the TBE's fused update; the ids need no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from graphshard.kernels.fbgemm_tbe import FusedTBE
+from graphshard.ops import ops
+from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
+from graphshard.sparse.ops import ops as sparse_ops
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One feature's lookup in one table shard on one rank."""
+
+    table: TableLayout
+    shard: TableShard
+    feature: str
+
+    @property
+    def name(self) -> str:
+        return f"feature {self.feature!r} (table {self.table.name!r})"
+
+
+@dataclass
+class LocalPlan:
+    """What one rank sends, receives and looks up, derived from the layout once."""
+
+    a2a_slots: list[list[Slot]]          # per rank: the table-/column-wise lookups it does, in TBE order
+    rw_features: list[tuple[TableLayout, str]]  # row-wise (table, feature), the same order on every rank
+    dp_tables: list[TableLayout]
+    columns: list[int] = field(default_factory=list)  # output column -> position in the concatenated parts
+
+
+def local_plan(layout: CollectionLayout) -> LocalPlan:
+    world = layout.world
+    a2a = [[] for _ in range(world)]
+    for t in layout.tables:
+        if t.sharding_type in ("table_wise", "column_wise"):
+            for shard in sorted(t.shards, key=lambda s: s.col_offset):
+                a2a[shard.rank].append((t, shard))
+    a2a_slots = [[Slot(t, s, f) for t, s in shards for f in t.features] for shards in a2a]
+    rw = [(t, f) for t in layout.tables if t.sharding_type == "row_wise" for f in t.features]
+    dp = [t for t in layout.tables if t.sharding_type == "data_parallel"]
+
+    start, at = {}, 0  # where each feature's columns start in the output
+    for t in layout.tables:
+        for f in t.features:
+            start[f] = at
+            at += t.embedding_dim
+    pos = []  # the concatenated parts' columns, as output columns
+    for slots in a2a_slots:
+        for s in slots:
+            pos.extend(range(start[s.feature] + s.shard.col_offset, start[s.feature] + s.shard.col_offset + s.shard.cols))
+    for t, f in rw:
+        pos.extend(range(start[f], start[f] + t.embedding_dim))
+    for t in dp:
+        for f in t.features:
+            pos.extend(range(start[f], start[f] + t.embedding_dim))
+    assert sorted(pos) == list(range(layout.total_dim)), "the sharded lookups cover every output column once"
+    columns = [0] * len(pos)
+    for i, c in enumerate(pos):
+        columns[c] = i
+    return LocalPlan(a2a_slots, rw, dp, columns)
+
+
+def _permute(rows: list[int], lengths2d, values, weights):
+    """The KJT's features ``rows`` (repeats allowed), in that order."""
+    if rows == list(range(lengths2d.shape[0])):
+        return lengths2d, values, weights
+    index = torch.tensor(rows, dtype=torch.int32, device=lengths2d.device)
+    out = torch.ops.fbgemm.permute_2D_sparse_data(index, lengths2d, values, weights, None)
+    return out[0], out[1], out[2]
+
+
+def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int):
+    """All-to-all of a KJT whose features are grouped by destination (``send[d]`` features for rank d);
+    returns this rank's ``recv_features`` features over the world's batch, feature-major."""
+    flat = lengths2d.reshape(-1)
+    sizes = [n * batch for n in send]
+    owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=flat.device)
+    in_counts = torch.zeros(world, dtype=flat.dtype, device=flat.device).index_add(0, owner, lengths2d.sum(1))
+    recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, sizes, group)
+    out_counts = recv_lengths.view(world, recv_features * batch).sum(1)
+    in_splits, out_splits = in_counts.tolist(), out_counts.tolist()
+    recv_values = ops.all_to_all(values, out_splits, in_splits, group)
+    recv_weights = ops.all_to_all(weights, out_splits, in_splits, group) if weights is not None else None
+    if recv_features == 0:
+        return recv_lengths, recv_values, recv_weights
+    recat = [s * recv_features + j for j in range(recv_features) for s in range(world)]
+    lengths, values, weights = _permute(recat, recv_lengths.view(world * recv_features, batch), recv_values, recv_weights)
+    return lengths.reshape(-1), values, weights
+
+
+def _lookup(tbe: FusedTBE | None, state: list, constants, lengths, values, weights, bags: int, dtype):
+    if tbe is None:
+        return torch.zeros(bags, 0, dtype=dtype, device=lengths.device)
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    token, w, momentum, lr = state
+    return tbe.lookup_with(token, w, momentum, lr, values, offsets, weights, constants)
+
+
+def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: list[str],
+                   values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
+                   state: list[torch.Tensor], dtype: torch.dtype, constants: dict | None = None,
+                   bounds_check: bool = True) -> torch.Tensor:
+    """The pooled ``[batch, total_dim]`` output of this rank's samples, columns in the collection's order.
+
+    ``keys``: the KJT's features (any order, a superset of the collection's); ``state``: the
+    tensors ``SparseCollection.state_tensors()`` lists (each TBE's token, weights, optimizer
+    state and learning rate, then each data-parallel table's weight); ``constants``: per TBE,
+    its layout tensors when they are traced as inputs (default: the TBE's own).
+    """
+    constants = constants or {}
+    world, rank, group = layout.world, layout.rank, layout.group
+    kpos = {k: i for i, k in enumerate(keys)}
+    batch = lengths.shape[0] // len(keys)
+    lengths2d = lengths.view(len(keys), batch)
+    if bounds_check:  # ids are checked where the user gave them (global ids, named features)
+        limits, names = [-1] * len(keys), ["an unused feature"] * len(keys)
+        for t in layout.tables:
+            for f in t.features:
+                limits[kpos[f]], names[kpos[f]] = t.num_embeddings, f"feature {f!r} (table {t.name!r})"
+        values = sparse_ops.check_ids(values, lengths, limits, "\n".join(names))
+    parts = []
+    at = 0
+
+    a2a_state = rw_state = None
+    if "a2a" in tbes:
+        a2a_state, at = state[at:at + 4], at + 4
+    if "rw" in tbes:
+        rw_state, at = state[at:at + 4], at + 4
+    dp_weights = state[at:]
+
+    if any(plan.a2a_slots):
+        send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]
+        l2d, v, w = _permute(send_rows, lengths2d, values, weights)
+        mine = plan.a2a_slots[rank]
+        rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world)
+        pooled = _lookup(tbes.get("a2a"), a2a_state, constants.get("a2a"), rl, rv, rw, world * batch, dtype)
+        widths = [sum(s.shard.cols for s in slots) for slots in plan.a2a_slots]
+        back = ops.all_to_all(pooled.reshape(-1), [batch * d for d in widths], [batch * pooled.shape[1]] * world, group)
+        parts.extend(b.view(batch, d) for b, d in zip(back.split([batch * d for d in widths]), widths) if d)
+
+    if plan.rw_features:
+        rows = [kpos[f] for _, f in plan.rw_features]
+        l2d, v, w = _permute(rows, lengths2d, values, weights)
+        blocks = torch.tensor([t.row_block for t, _ in plan.rw_features], dtype=l2d.dtype, device=l2d.device)
+        bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
+            l2d.reshape(-1), v, False, False, blocks, world, w)
+        n = len(plan.rw_features)
+        rl, rv, rw = _exchange(bl.view(world * n, batch), bv, bw, [n] * world, n, batch, group, world)
+        partial = _lookup(tbes["rw"], rw_state, constants.get("rw"), rl, rv, rw, world * batch, dtype)
+        parts.append(ops.reduce_scatter(partial, 0, group, world, rank))
+
+    for t, weight in zip(plan.dp_tables, dp_weights):
+        rows = [kpos[f] for f in t.features]
+        l2d, v, w = _permute(rows, lengths2d, values, weights)
+        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(l2d.reshape(-1))
+        pooled = F.embedding_bag(v, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
+        parts.append(pooled.view(len(t.features), batch, t.embedding_dim).transpose(0, 1)
+                     .reshape(batch, len(t.features) * t.embedding_dim).to(dtype))
+
+    out = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    if plan.columns != list(range(len(plan.columns))):
+        out = out.index_select(1, torch.tensor(plan.columns, dtype=torch.int64, device=out.device))
+    if any(t.pooling == "mean" for t in layout.tables):
+        rows = [kpos[f] for t in layout.tables for f in t.features for _ in range(t.embedding_dim)]
+        mean = [t.pooling == "mean" for t in layout.tables for f in t.features for _ in range(t.embedding_dim)]
+        sizes = lengths2d.index_select(0, torch.tensor(rows, dtype=torch.int64, device=out.device)).t()
+        keep = torch.tensor([not m for m in mean], device=out.device)
+        out = out / (sizes.clamp(min=1).to(out.dtype)).masked_fill(keep, 1.0)
+    return out

@@ -1,0 +1,121 @@
+"""TorchRec's types in graphshard's sharded embeddings (TorchRec is an optional dependency).
+
+- ``collection_layout``: a TorchRec ``EmbeddingBagCollection`` and its module sharding plan
+  (``ParameterSharding`` per table, as ``construct_module_sharding_plan`` and the
+  ``table_wise`` / ``row_wise`` / ``column_wise`` / ``data_parallel`` helpers make them) ->
+  graphshard's ``CollectionLayout``.
+- ``install``: the collection's sharded state goes under the user's module (its fused tables'
+  parameters are replaced by the TBEs), and the module's forward becomes the logical lookup
+  ``graphshard::embedding_bags`` on the KJT, returning TorchRec's ``KeyedTensor``. The module
+  object, its class and its FQN stay the user's.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+
+from graphshard.sparse.collection import SparseCollection
+from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
+from graphshard.sparse.ops import ops as sparse_ops
+
+_POOLING = {"SUM": "sum", "MEAN": "mean"}
+
+
+def table_configs(module: nn.Module) -> list:
+    """The module's ``EmbeddingBagConfig`` s, in its output order."""
+    return list(module.embedding_bag_configs())
+
+
+def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dict, *, world: int, rank: int,
+                      group: str, key: str) -> CollectionLayout:
+    """``module_plan``: table name -> TorchRec ``ParameterSharding``. Every table needs an entry."""
+    configs = table_configs(module)
+    names = [c.name for c in configs]
+    unknown = sorted(set(module_plan) - set(names))
+    if unknown:
+        raise ValueError(
+            f"the sharding plan for {fqns[0]!r} names table(s) {unknown} that the module does not have; "
+            f"its tables are {names}"
+        )
+    missing = [n for n in names if n not in module_plan]
+    if missing:
+        raise ValueError(
+            f"the sharding plan for {fqns[0]!r} has no entry for table(s) {missing}; give every table a "
+            "ParameterSharding (construct_module_sharding_plan with per_param_sharding)"
+        )
+    tables = []
+    for c in configs:
+        ps = module_plan[c.name]
+        pooling = _POOLING.get(getattr(c.pooling, "name", str(c.pooling)))
+        if pooling is None:
+            raise NotImplementedError(f"{fqns[0]}: table {c.name!r} pools by {c.pooling}; graphshard pools by SUM or MEAN")
+        st = str(ps.sharding_type)
+        if st == "data_parallel":
+            shards = tuple(TableShard(r, 0, c.num_embeddings, 0, c.embedding_dim) for r in range(world))
+        else:
+            if ps.sharding_spec is None:
+                raise ValueError(f"{fqns[0]}: table {c.name!r} is {st} but its ParameterSharding has no sharding_spec")
+            shards = tuple(
+                TableShard(md.placement.rank(), md.shard_offsets[0], md.shard_sizes[0], md.shard_offsets[1],
+                           md.shard_sizes[1])
+                for md in ps.sharding_spec.shards
+            )
+        if st not in ("data_parallel",) and str(ps.compute_kernel) not in ("fused", "dense"):
+            raise NotImplementedError(
+                f"{fqns[0]}: table {c.name!r} asks for compute kernel {ps.compute_kernel!r}; graphshard runs "
+                "'fused' (fbgemm TBE, optimizer in the backward) on the CPU"
+            )
+        tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
+    return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables), weighted=bool(module.is_weighted()),
+                            world=world, rank=rank, group=group)
+
+
+def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
+    """Shards ``module``'s tables by ``layout`` on this rank and makes its forward the logical lookup."""
+    bags = module.embedding_bags
+    weights = {t.name: bags[t.name].weight.detach() for t in layout.tables}
+    dp = {t.name: bags[t.name].weight for t in layout.tables if not t.fused}
+    coll = SparseCollection(layout, weights, dp, fused_params, bounds_check)
+    for t in layout.tables:
+        if t.fused:  # the TBE holds it now; the state dict shows it as a sharded tensor
+            del bags[t.name]._parameters["weight"]
+    module._graphshard_tbes = coll.tbes
+    module._graphshard_sparse = coll
+    module.forward = types.MethodType(_forward, module)
+    return coll
+
+
+def _forward(self, features):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    coll: SparseCollection = self._graphshard_sparse
+    layout = coll.layout
+    keys = list(features.keys())
+    missing = [f for f in layout.features if f not in keys]
+    if missing:
+        raise ValueError(
+            f"{layout.fqns[0]}: the KeyedJaggedTensor has no feature(s) {missing}; its keys are {keys} and the "
+            f"module looks up {list(layout.features)}"
+        )
+    if features.variable_stride_per_key():
+        raise NotImplementedError(f"{layout.fqns[0]}: a KeyedJaggedTensor with a variable batch per feature")
+    weights = features.weights_or_none() if layout.weighted else None
+    if layout.weighted and weights is None:
+        raise ValueError(f"{layout.fqns[0]} is weighted (is_weighted=True): the KeyedJaggedTensor needs weights")
+    state = _state(self, coll)
+    pooled = sparse_ops.embedding_bags(features.values(), features.lengths(), weights, state, layout.key, keys,
+                                       layout.total_dim)
+    return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled)
+
+
+def _state(module: nn.Module, coll: SparseCollection) -> list[torch.Tensor]:
+    """The program's state read through the module (so dynamo sees module buffers and parameters)."""
+    out = []
+    for name in ("a2a", "rw"):
+        if name in module._graphshard_tbes:
+            tbe = module._graphshard_tbes[name]
+            out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]
+    return out + [module.embedding_bags[t.name].weight for t in coll.plan.dp_tables]
