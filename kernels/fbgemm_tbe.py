@@ -94,7 +94,7 @@ def tbe_lookup(
     momentum_offsets: torch.Tensor, rows: torch.Tensor,
     indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
     total_D: int, max_D: int, total_hash_size_bits: int, pooling: int, optimizer: str,
-    optim_args: Sequence[float], names: str, row_offsets: Sequence[int], bounds_check: bool,
+    optim_args: Sequence[float], names: str, row_offsets: Sequence[int], bounds_check: bool, grad_scale: float,
 ) -> torch.Tensor:
     """Pooled lookup ``[B, total_D]`` of the ids of ``D_offsets.numel() - 1`` features (``names``:
     one line per feature, for errors)."""
@@ -110,7 +110,8 @@ def tbe_lookup(
 @tbe_lookup.register_fake
 def _tbe_lookup_fake(token, weights, momentum, lr, weights_offsets, D_offsets, hash_size_cumsum,
                      momentum_offsets, rows, indices, offsets, per_sample_weights, total_D, max_D,
-                     total_hash_size_bits, pooling, optimizer, optim_args, names, row_offsets, bounds_check):
+                     total_hash_size_bits, pooling, optimizer, optim_args, names, row_offsets, bounds_check,
+                     grad_scale):
     features = D_offsets.shape[0] - 1
     return weights.new_empty((offsets.shape[0] - 1) // features, total_D)
 
@@ -121,10 +122,13 @@ def tbe_update_(
     weights_offsets: torch.Tensor, D_offsets: torch.Tensor, hash_size_cumsum: torch.Tensor,
     momentum_offsets: torch.Tensor, indices: torch.Tensor, offsets: torch.Tensor,
     per_sample_weights: torch.Tensor | None, max_D: int, total_hash_size_bits: int, pooling: int,
-    optimizer: str, optim_args: Sequence[float],
+    optimizer: str, optim_args: Sequence[float], grad_scale: float,
 ) -> None:
-    """fbgemm's backward with the optimizer fused in: updates ``weights`` (and ``momentum``) in place."""
+    """fbgemm's backward with the optimizer fused in: updates ``weights`` (and ``momentum``) in place
+    with ``grad_scale`` times ``grad``."""
     placements = torch.zeros(weights_offsets.shape, dtype=torch.int32)  # EmbeddingLocation.HOST
+    if grad_scale != 1.0:
+        grad = grad * grad_scale
     psw = per_sample_weights if per_sample_weights is not None else torch.ones(indices.shape, dtype=weights.dtype)
     common = (grad.contiguous(), weights, placements, weights_offsets, D_offsets, max_D, hash_size_cumsum,
               total_hash_size_bits, indices, offsets, pooling, psw.to(weights.dtype), False)
@@ -150,7 +154,7 @@ def _tbe_update_fake(*args):
 def _setup(ctx, inputs, output):
     (token, ctx.weights, ctx.momentum, ctx.lr, ctx.weights_offsets, ctx.D_offsets, ctx.hash_size_cumsum,
      ctx.momentum_offsets, _rows, ctx.indices, ctx.offsets, ctx.psw, _total_D, ctx.max_D, ctx.bits, ctx.pooling,
-     ctx.optimizer, ctx.optim_args, _names, _row_offsets, _bounds_check) = inputs
+     ctx.optimizer, ctx.optim_args, _names, _row_offsets, _bounds_check, ctx.grad_scale) = inputs
     ctx.token_shape = token.shape
 
 
@@ -158,9 +162,9 @@ def _backward(ctx, grad):
     torch.ops.graphshard.tbe_update_(
         grad, ctx.weights, ctx.momentum, ctx.lr, ctx.weights_offsets, ctx.D_offsets, ctx.hash_size_cumsum,
         ctx.momentum_offsets, ctx.indices, ctx.offsets, ctx.psw, ctx.max_D, ctx.bits, ctx.pooling, ctx.optimizer,
-        ctx.optim_args,
+        ctx.optim_args, ctx.grad_scale,
     )
-    return (grad.new_zeros(ctx.token_shape),) + (None,) * 20
+    return (grad.new_zeros(ctx.token_shape),) + (None,) * 21
 
 
 tbe_lookup.register_autograd(_backward, setup_context=_setup)
@@ -181,13 +185,15 @@ class FusedTBE(nn.Module):
     """One rank's table shards (``shapes``: rows, dim each) with a fused optimizer, in fbgemm's layout.
 
     ``slots`` are the features looked up, in the order of the lookup's KJT, each naming its table
-    (several features may share one table). ``fused_params`` are fbgemm's constructor keywords
+    (several features may share one table). ``grad_scale`` multiplies the gradient the optimizer
+    applies (a sharded table: one over the world size, the global batch's mean gradient).
+    ``fused_params`` are fbgemm's constructor keywords
     (``optimizer``, ``learning_rate``, ``eps``, ``weight_decay``, ...); unset ones keep fbgemm's
     defaults. ``row_offsets`` says where each shard starts in its logical table (error messages).
     """
 
     def __init__(self, shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], *,
-                 fused_params: dict, row_offsets: Sequence[int], bounds_check: bool = True):
+                 fused_params: dict, row_offsets: Sequence[int], bounds_check: bool = True, grad_scale: float = 1.0):
         super().__init__()
         EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = _fbgemm()
         tables = [s.table for s in slots]
@@ -210,6 +216,7 @@ class FusedTBE(nn.Module):
         self.max_D = int(ref.max_D)
         self.total_hash_size_bits = int(ref.total_hash_size_bits)
         self.bounds_check = bounds_check
+        self.grad_scale = float(grad_scale)
         self.names = [s.name for s in slots]
         self.slot_row_offsets = [int(row_offsets[s.table]) for s in slots]
         self.register_buffer("weights", ref.weights_host.detach().clone())
@@ -269,7 +276,7 @@ class FusedTBE(nn.Module):
             token, weights, momentum, lr, c["weights_offsets"], c["D_offsets"], c["hash_size_cumsum"],
             c["momentum_offsets"], c["rows"], indices, offsets, per_sample_weights,
             self.total_D, self.max_D, self.total_hash_size_bits, self.pooling, self.optimizer,
-            list(self.optim_args), "\n".join(self.names), self.slot_row_offsets, self.bounds_check,
+            list(self.optim_args), "\n".join(self.names), self.slot_row_offsets, self.bounds_check, self.grad_scale,
         )
 
 

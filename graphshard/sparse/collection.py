@@ -62,7 +62,8 @@ class SparseCollection:
                 continue
             slots = [TBESlot(i, f"feature {f!r} (table {t.name!r})") for i, (t, _) in enumerate(shards) for f in t.features]
             tbe = FusedTBE([(s.rows, s.cols) for _, s in shards], slots, fused_params=self.fused_params,
-                           row_offsets=[s.row_offset for _, s in shards], bounds_check=False)
+                           row_offsets=[s.row_offset for _, s in shards], bounds_check=False,
+                           grad_scale=1.0 / layout.world)
             with torch.no_grad():
                 for i, (t, s) in enumerate(shards):
                     w = weights[t.name]

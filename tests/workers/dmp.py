@@ -1,0 +1,298 @@
+"""DistributedModelParallel parity worker: ``torchrun --nproc-per-node N tests/workers/dmp.py CASE [CASE ...]``.
+
+Each CASE is ``model:optimizer``: ``model`` dlrm (TorchRec's ``torchrec.models.dlrm.DLRM``, five
+tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel) or
+twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
+row-wise tables); ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad.
+
+The same program trains three times on one batch stream: with graphshard's
+``DistributedModelParallel``, with TorchRec's (same plan, same fused optimizer, the same
+initial weights copied into its shards), and unwrapped in one process on the global batch
+(dense parameters and data-parallel tables: SGD on the mean loss; sharded tables: the fused
+optimizer's update, written out in torch, on the same gradient: the kernels apply the global
+batch's mean gradient, TorchRec's default gradient division). Rank 0 reports the largest loss
+and parameter differences of each against the single process and of the two against each other.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _runner import run_cases
+
+STEPS = 4
+BATCH = 8      # per rank
+DENSE_IN = 8
+DIM = 8
+LR = 0.05
+EPS = 1e-8
+
+
+def _trec():
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return EmbeddingBagConfig, PoolingType, EmbeddingBagCollection
+
+
+def _tables(model: str):
+    EmbeddingBagConfig, PoolingType, _ = _trec()
+    if model == "dlrm":
+        return [
+            EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t_mean", embedding_dim=DIM, num_embeddings=30, feature_names=["f2"],
+                               pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f3"]),
+            EmbeddingBagConfig(name="t_cw", embedding_dim=DIM, num_embeddings=24, feature_names=["f4"]),
+            EmbeddingBagConfig(name="t_dp", embedding_dim=DIM, num_embeddings=12, feature_names=["f5"]),
+        ]
+    return [
+        EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0"]),
+        EmbeddingBagConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f1", "f2"]),
+    ]
+
+
+def _sharding(model: str, world: int) -> dict:
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
+
+    if model == "dlrm":
+        return {"t_tw": table_wise(rank=0), "t_mean": table_wise(rank=world - 1), "t_rw": row_wise(),
+                "t_cw": column_wise(ranks=list(range(world))), "t_dp": data_parallel()}
+    return {"t_tw": table_wise(rank=world - 1), "t_rw": row_wise()}
+
+
+class Tower(nn.Module):
+    def __init__(self, ebc: nn.Module, width: int):
+        super().__init__()
+        self.ebc = ebc
+        self.proj = nn.Linear(width, 8)
+
+    def forward(self, kjt):
+        return self.proj(self.ebc(kjt).values())
+
+
+class TwoTower(nn.Module):
+    def __init__(self, ebc: nn.Module, width: int):
+        super().__init__()
+        self.query = Tower(ebc, width)
+        self.item = Tower(ebc, width)
+
+    def forward(self, query, item):
+        return (self.query(query) * self.item(item)).sum(1)
+
+
+def build(model: str) -> nn.Module:
+    _, _, EmbeddingBagCollection = _trec()
+    torch.manual_seed(0)
+    tables = _tables(model)
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    if model == "dlrm":
+        from torchrec.models.dlrm import DLRM
+
+        return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, DIM],
+                    over_arch_layer_sizes=[16, 1])
+    return TwoTower(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+
+
+def _kjt(model: str, gen: torch.Generator):
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    tables = _tables(model)
+    feats = [f for t in tables for f in t.feature_names]
+    lengths = torch.randint(0, 4, (len(feats) * BATCH,), generator=gen)
+    values = []
+    for i, f in enumerate(feats):
+        rows = next(t for t in tables if f in t.feature_names).num_embeddings
+        values.append(torch.randint(0, rows, (int(lengths[i * BATCH:(i + 1) * BATCH].sum()),), generator=gen))
+    order = list(reversed(range(len(feats))))  # the KJT's keys in another order than the tables'
+    l2 = lengths.view(len(feats), BATCH)[order].reshape(-1)
+    v2 = torch.cat([values[i] for i in order])
+    return KeyedJaggedTensor(keys=[feats[i] for i in order], values=v2, lengths=l2)
+
+
+def batch(model: str, step: int, rank: int):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
+    if model == "dlrm":
+        return (torch.randn(BATCH, DENSE_IN, generator=gen), _kjt(model, gen)), labels
+    return (_kjt(model, gen), _kjt(model, gen)), labels
+
+
+def loss_of(out, labels):
+    return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), labels)
+
+
+def _fused(optimizer: str) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
+            "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[optimizer]
+    return {"optimizer": kind, "learning_rate": LR, "eps": EPS}
+
+
+def _plan(model: str, module: nn.Module, world: int):
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    ebc = module.sparse_arch.embedding_bag_collection if model == "dlrm" else module.query.ebc
+    fqn = "sparse_arch.embedding_bag_collection" if model == "dlrm" else "query.ebc"
+    return ShardingPlan({fqn: construct_module_sharding_plan(ebc, per_param_sharding=_sharding(model, world),
+                                                             world_size=world, device_type="cpu")})
+
+
+def _table_fqns(model: str) -> list[str]:
+    base = "sparse_arch.embedding_bag_collection" if model == "dlrm" else "query.ebc"
+    return [f"{base}.embedding_bags.{t.name}.weight" for t in _tables(model)]
+
+
+def _full(value) -> torch.Tensor:
+    """A state-dict entry as the full tensor on every rank (sharded tensors: pieces summed over ranks)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        full = torch.zeros(value.size())
+        for s in value.local_shards():
+            (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+            full[r:r + nr, c:c + nc] = s.tensor
+        dist.all_reduce(full)
+        return full
+    if isinstance(value, DTensor):
+        return _full_dtensor(value)
+    return value.detach().clone()
+
+
+def _full_dtensor(value) -> torch.Tensor:
+    from torch.distributed.tensor import Replicate
+
+    full = torch.zeros(value.shape)
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is not None:
+        local = value.to_local()
+        p = value.placements[0]
+        if isinstance(p, Replicate):
+            if coord[0] == 0:
+                full.copy_(local)
+        else:
+            n = value.shape[p.dim]
+            chunk = -(-n // mesh.size())
+            start = min(chunk * coord[0], n)
+            full.narrow(p.dim, start, local.shape[p.dim]).copy_(local)
+    dist.all_reduce(full)
+    return full
+
+
+def _step_reference(model, ref: nn.Module, opt_state: dict, optimizer: str, step: int, world: int) -> float:
+    inputs = [batch(model, step, r) for r in range(world)]
+    outs = [ref(*x) for x, _ in inputs]
+    loss = sum(loss_of(o, y) for o, (_, y) in zip(outs, inputs)) / world
+    loss.backward()
+    plan = next(iter(_plan(model, ref, world).plan.values()))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            table = name.split(".")[-2] if ".embedding_bags." in name else None
+            if table in plan and plan[table].sharding_type != "data_parallel":
+                # the fused optimizer's update on each shard's columns (row-wise Adagrad keeps one
+                # value per row of each column block: a column-wise table's differs from a whole one's)
+                blocks = sorted((md.shard_offsets[1], md.shard_sizes[1]) for md in plan[table].sharding_spec.shards)
+                for c0, nc in dict.fromkeys(blocks):
+                    g, w = p.grad[:, c0:c0 + nc], p[:, c0:c0 + nc]
+                    st = opt_state.setdefault((name, c0), torch.zeros(p.shape[0]) if optimizer == "rowwise_adagrad"
+                                              else torch.zeros_like(w))
+                    if optimizer == "sgd":
+                        w -= LR * g
+                    elif optimizer == "adagrad":
+                        st += g * g
+                        w -= LR * g / (st.sqrt() + EPS)
+                    else:
+                        st += (g * g).mean(1)
+                        w -= LR * g / (st.sqrt() + EPS).unsqueeze(1)
+            elif p.grad is not None:
+                p -= LR * p.grad
+            p.grad = None
+    return float(loss)
+
+
+def _train(dmp, model: str, step_range, rank: int, world: int) -> list[float]:
+    dense = torch.optim.SGD([p for _, p in dmp.named_parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in step_range:
+        x, y = batch(model, step, rank)
+        loss = loss_of(dmp(*x), y)
+        loss.backward()
+        dense.step()
+        dense.zero_grad(set_to_none=True)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return losses
+
+
+def run(case: str) -> dict:
+    model, optimizer = case.split(":")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel as TorchRecDMP
+    from torchrec.distributed.types import ShardingEnv
+
+    from graphshard.model_parallel import DistributedModelParallel as GraphshardDMP
+
+    base = build(model)
+    init = {k: v.detach().clone() for k, v in base.state_dict().items()}
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    fused = _fused(optimizer)
+
+    gs_model = copy.deepcopy(base)
+    gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=_plan(model, gs_model, world),
+                       sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
+    gs_losses = _train(gs, model, range(STEPS), rank, world)
+    gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
+
+    tr_model = copy.deepcopy(base)
+    tr = TorchRecDMP(tr_model, env=env, device=torch.device("cpu"), plan=_plan(model, tr_model, world),
+                     sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
+    with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: copy the same initial weights in
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+        for k, v in tr.state_dict().items():
+            if isinstance(v, ShardedTensor):
+                for s in v.local_shards():
+                    (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+                    s.tensor.copy_(init[k][r:r + nr, c:c + nc])
+            elif k in init:
+                v.copy_(init[k])
+    tr_losses = _train(tr, model, range(STEPS), rank, world)
+    tr_state = {k: _full(v) for k, v in tr.state_dict().items()}
+
+    ref = copy.deepcopy(base)
+    opt_state: dict = {}
+    ref_losses = [_step_reference(model, ref, opt_state, optimizer, s, world) for s in range(STEPS)]
+    ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
+
+    def diff(a: dict, b: dict) -> dict:
+        return {k: float((a[k] - b[k]).abs().max()) for k in b if k in a and a[k].is_floating_point()}
+
+    return {
+        "case": case,
+        "keys_graphshard": sorted(gs_state),
+        "keys_torchrec": sorted(tr_state),
+        "keys_reference": sorted(ref_state),
+        "loss_gs_ref": max(abs(a - b) for a, b in zip(gs_losses, ref_losses)),
+        "loss_tr_ref": max(abs(a - b) for a, b in zip(tr_losses, ref_losses)),
+        "loss_gs_tr": max(abs(a - b) for a, b in zip(gs_losses, tr_losses)),
+        "param_gs_ref": diff(gs_state, ref_state),
+        "param_tr_ref": diff(tr_state, ref_state),
+        "param_gs_tr": diff(gs_state, tr_state),
+        "tables": _table_fqns(model),
+        "moved": {k: float((ref_state[k] - init[k]).abs().max()) for k in ref_state if k in init},
+    }
+
+
+if __name__ == "__main__":
+    run_cases(sys.argv[1:], run)
