@@ -25,41 +25,52 @@ from graphshard.sparse.ops import ops as sparse_ops
 
 
 def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == sparse_ops.embedding_bags.default]
-    for node in nodes:
-        _expand(gm, node, ctx)
-    if nodes:
+    groups: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target == sparse_ops.embedding_bags.default:
+            groups.setdefault(n.args[4], []).append(n)
+    for key, nodes in groups.items():
+        _expand(gm, nodes, ctx)
+    if groups:
         gm.graph.eliminate_dead_code()
     return gm
 
 
-def _expand(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
-    values, lengths, weights, state, key, keys, _total = node.args
+def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
+    """Replaces the lookups of one collection (one, or one per FQN of a shared module) by one program."""
+    key = nodes[0].args[4]
     coll = ctx.sparse[key]
+    last = nodes[-1]
+    if len(nodes) > 1:
+        _defer_users(nodes, coll)
     consts = [(tbe, name, t) for tbe, m in coll.tbes.items() for name, t in m.constants().items()]
-    n_state = len(state)
+    state = last.args[3]
+    n_state, n_uses = len(state), len(nodes)
+    keys = [list(n.args[5]) for n in nodes]
 
-    def program(values, lengths, weights, *rest):
+    def program(*args):
+        uses = [(args[3 * i], args[3 * i + 1], args[3 * i + 2], keys[i]) for i in range(n_uses)]
+        rest = args[3 * n_uses:]
         st, cs = rest[:n_state], rest[n_state:]
         constants: dict = {}
         for (tbe, name, _), c in zip(consts, cs):
             constants.setdefault(tbe, {})[name] = c
-        return coll.run(values, lengths, weights, list(st), keys, constants)
+        return tuple(coll.run_uses(uses, list(st), constants))
 
     # traced with the grad facts of the real call (the TBE tokens and data-parallel tables need
     # gradients): embedding_bag picks a forward-only kernel for a weight that needs none
     grads = coll.state_requires_grad()
+    use_inputs = [a for n in nodes for a in n.args[:3]]
     with ctx.fake_mode:
         fake_state = [_val(a).detach().requires_grad_(g) for a, g in zip(state, grads)]
-        fake = [_val(values), _val(lengths), _val(weights), *fake_state,
+        fake = [*map(_val, use_inputs), *fake_state,
                 *(ctx.fake_mode.from_tensor(t, static_shapes=True) for _, _, t in consts)]
         with torch.enable_grad():
             sub = _compat.make_fx(program, tracing_mode="real")(*fake)
 
     g = gm.graph
     env: dict[fx.Node, object] = {}
-    inputs = [values, lengths, weights, *state]
-    with g.inserting_before(node):
+    with g.inserting_before(last):
         const_nodes = []
         for tbe, name, t in consts:
             attr = _fresh_attr(gm, f"_sparse_{key.split('/', 1)[0]}_{tbe}_{name}", t)
@@ -67,27 +78,58 @@ def _expand(gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> None:
             n.meta["val"] = ctx.fake_mode.from_tensor(t, static_shapes=True)
             const_nodes.append(n)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        for ph, a in zip(placeholders, inputs + const_nodes):
+        for ph, a in zip(placeholders, [*use_inputs, *state, *const_nodes]):
             env[ph] = a
-        out = None
+        outs = None
         for n in sub.graph.nodes:
             if n.op == "placeholder":
                 continue
             if n.op == "output":
-                out = env[n.args[0]] if not isinstance(n.args[0], (list, tuple)) else env[n.args[0][0]]
+                outs = [env[o] for o in n.args[0]]
                 continue
             if n.op == "get_attr":
-                attr = _fresh_attr(gm, f"_sparse_const", getattr(sub, n.target))
+                attr = _fresh_attr(gm, "_sparse_const", getattr(sub, n.target))
                 new = g.get_attr(attr)
                 new.meta.update(n.meta)
             else:
                 new = g.node_copy(n, lambda a: env[a])
-            new.meta["expanded_from"] = node.name
+            new.meta["expanded_from"] = last.name
             env[n] = new
-    node.replace_all_uses_with(out)
-    g.erase_node(node)
-    ctx.report.sparse.append(_describe(coll))
+    for node, out in zip(nodes, outs):
+        node.replace_all_uses_with(out)
+        g.erase_node(node)
+    ctx.report.sparse.append(_describe(coll, n_uses))
     log.info("shard_embeddings: %s", ctx.report.sparse[-1])
+
+
+def _defer_users(nodes: list[fx.Node], coll) -> None:
+    """Moves what the earlier lookups' outputs feed to after the last lookup, where the merged
+    program will be; refuses when the last lookup's input needs an earlier one's output."""
+    last = nodes[-1]
+    order = {n: i for i, n in enumerate(last.graph.nodes)}
+    dependents: set[fx.Node] = set()
+    stack = [u for n in nodes[:-1] for u in n.users]
+    while stack:
+        n = stack.pop()
+        if n in dependents or order[n] > order[last]:
+            continue
+        dependents.add(n)
+        stack.extend(n.users)
+    ancestors: set[fx.Node] = set()
+    stack = list(last.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n not in ancestors:
+            ancestors.add(n)
+            stack.extend(n.all_input_nodes)
+    if dependents & ancestors or last in dependents:
+        raise NotImplementedError(
+            f"{coll.layout.fqns}: one embedding module used twice in a step, the second lookup's input computed "
+            "from the first's output; graphshard merges the uses of a shared module into one lookup, which needs "
+            "their inputs to be independent"
+        )
+    for n in sorted(dependents, key=order.__getitem__, reverse=True):
+        last.append(n)
 
 
 def _val(a):
@@ -103,12 +145,14 @@ def _fresh_attr(gm: fx.GraphModule, base: str, value: torch.Tensor) -> str:
     return name
 
 
-def _describe(coll) -> str:
+def _describe(coll, uses: int) -> str:
     lay = coll.layout
     kinds = {}
     for t in lay.tables:
         where = ",".join(str(s.rank) for s in t.shards) if t.sharding_type != "data_parallel" else "all"
         kinds.setdefault(t.sharding_type, []).append(f"{t.name}@{where}")
-    tbes = ", ".join(f"{name}: {len(m.shapes)} table shard(s), {m.optimizer}" for name, m in coll.tbes.items())
+    tbes = ", ".join(f"{name}: {len(m.shapes)} table shard(s), {m.optimizer}" for name, m in coll.tbes.items()
+                     if hasattr(m, "shapes"))
     return (f"{lay.fqns[0]}: " + "; ".join(f"{k} {' '.join(v)}" for k, v in kinds.items())
-            + f" | rank {lay.rank} fused TBEs: {tbes or 'none'}")
+            + f" | rank {lay.rank} fused TBEs: {tbes or 'none'}"
+            + (f" | {uses} uses ({', '.join(lay.fqns)}) merged into one lookup" if uses > 1 else ""))

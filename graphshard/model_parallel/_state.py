@@ -35,7 +35,7 @@ class FusedOptimizer:
 
 class _LrGroup(dict):
     def __init__(self, coll):
-        tbes = list(coll.tbes.values())
+        tbes = coll.fused()
         super().__init__(lr=float(tbes[0].lr) if tbes else 0.0, params=[], module=coll.layout.fqns[0])
         self._tbes = tbes
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.program import LocalPlan, local_plan, sharded_lookup
+from graphshard.sparse.program import LocalPlan, local_plan, permute_features, permute_rows, sharded_lookup
 
 _COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -32,6 +32,22 @@ def collection_for(key: str) -> "SparseCollection":
 
 def new_key(fqn: str) -> str:
     return f"s{next(_ids)}/{fqn}"
+
+
+class NoTables(nn.Module):
+    """Stands for a group's TBE on a rank that holds none of its tables. The rank still takes part
+    in the group's collectives, so its (empty) pooled output must need a gradient as the other
+    ranks' do: its backward then has the same collectives. The token is that gradient's anchor."""
+
+    def __init__(self, fused_params: dict):
+        super().__init__()
+        self.register_buffer("token", torch.zeros(0, requires_grad=True), persistent=False)
+        self.register_buffer("weights", torch.zeros(0), persistent=False)
+        self.register_buffer("momentum", torch.zeros(0), persistent=False)
+        self.register_buffer("lr", torch.tensor(float(fused_params.get("learning_rate", 0.0))), persistent=False)
+
+    def constants(self) -> dict:
+        return {}
 
 
 class SparseCollection:
@@ -57,8 +73,11 @@ class SparseCollection:
             "a2a": self._distinct([(s.table, s.shard) for s in self.plan.a2a_slots[rank]]),
             "rw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables([t for t, _ in self.plan.rw_features])],
         }
+        present = {"a2a": any(self.plan.a2a_slots), "rw": bool(self.plan.rw_features)}
         for name, shards in groups.items():
             if not shards:
+                if present[name]:  # the group's collectives run on every rank, this one's lookup is empty
+                    self.tbes[name] = NoTables(self.fused_params)
                 continue
             slots = [TBESlot(i, f"feature {f!r} (table {t.name!r})") for i, (t, _) in enumerate(shards) for f in t.features]
             tbe = FusedTBE([(s.rows, s.cols) for _, s in shards], slots, fused_params=self.fused_params,
@@ -107,7 +126,37 @@ class SparseCollection:
         return sharded_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
                               weights, list(state), torch.float32, constants, self.bounds_check)
 
+    def run_uses(self, uses: list, state, constants=None) -> list[torch.Tensor]:
+        """Several lookups of this collection in one step (a module reachable under several FQNs),
+        as one: the uses' batches side by side, one input distribution, one lookup, one output
+        distribution, so the fused optimizer applies the sum of the uses' gradients once.
+        ``uses``: (values, lengths, weights, keys) each, equal batch sizes."""
+        if len(uses) == 1:
+            values, lengths, weights, keys = uses[0]
+            return [self.run(values, lengths, weights, state, keys, constants)]
+        features = list(self.layout.features)
+        batches = {lengths.shape[0] // len(keys) for _, lengths, _, keys in uses}
+        if len(batches) != 1:
+            raise NotImplementedError(
+                f"{self.layout.fqns}: the uses of one shared embedding module in a step have batch sizes "
+                f"{sorted(batches)}; graphshard merges them into one lookup, which needs equal batch sizes"
+            )
+        batch = batches.pop()
+        parts = [permute_features(values, lengths, weights, keys, features) for values, lengths, weights, keys in uses]
+        n, f = len(parts), len(features)
+        lengths2d = torch.cat([p[0] for p in parts])
+        values = torch.cat([p[1] for p in parts])
+        weights = torch.cat([p[2] for p in parts]) if self.layout.weighted else None
+        # rows (use, feature) -> (feature, use): each feature's bags are the uses' batches in turn
+        merged = permute_rows([u * f + i for i in range(f) for u in range(n)], lengths2d, values, weights)
+        out = self.run(merged[1], merged[0].reshape(-1), merged[2], state, features, constants)
+        return list(out.split(batch))
+
     # ---- what the state dict and the optimizer read ----
+    def fused(self) -> list[FusedTBE]:
+        """This rank's fused TBEs (the groups it holds tables of)."""
+        return [m for m in self.tbes.values() if isinstance(m, FusedTBE)]
+
     def local_pieces(self, table: str) -> list[tuple[TableShard, torch.Tensor]]:
         """This rank's pieces of a sharded table, each a view of the TBE's weights."""
         return [(s, self.tbes[name].table(i)) for s, name, i in self.pieces.get(table, [])]

@@ -88,7 +88,14 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     return LocalPlan(a2a_slots, rw, dp, columns)
 
 
-def _permute(rows: list[int], lengths2d, values, weights):
+def permute_features(values, lengths, weights, keys: list[str], features: list[str]):
+    """A KJT's (values, lengths, weights) with ``keys`` -> its ``features`` only, in that order:
+    (lengths ``[len(features), batch]``, values, weights)."""
+    kpos = {k: i for i, k in enumerate(keys)}
+    return permute_rows([kpos[f] for f in features], lengths.view(len(keys), -1), values, weights)
+
+
+def permute_rows(rows: list[int], lengths2d, values, weights):
     """The KJT's features ``rows`` (repeats allowed), in that order."""
     if rows == list(range(lengths2d.shape[0])):
         return lengths2d, values, weights
@@ -112,13 +119,19 @@ def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, b
     if recv_features == 0:
         return recv_lengths, recv_values, recv_weights
     recat = [s * recv_features + j for j in range(recv_features) for s in range(world)]
-    lengths, values, weights = _permute(recat, recv_lengths.view(world * recv_features, batch), recv_values, recv_weights)
+    lengths, values, weights = permute_rows(recat, recv_lengths.view(world * recv_features, batch), recv_values, recv_weights)
     return lengths.reshape(-1), values, weights
 
 
-def _lookup(tbe: FusedTBE | None, state: list, constants, lengths, values, weights, bags: int, dtype):
-    if tbe is None:
-        return torch.zeros(bags, 0, dtype=dtype, device=lengths.device)
+def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dtype):
+    if not isinstance(tbe, FusedTBE):
+        # no table of this group here: an empty output that reads what the collectives delivered
+        # (so none of them is dead code on this rank alone) and needs a gradient (so the backward
+        # has the same collectives on every rank)
+        empty = state[0].to(dtype) + values[:0].to(dtype)
+        if weights is not None:
+            empty = empty + weights[:0].to(dtype)
+        return empty.view(bags, 0)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
     token, w, momentum, lr = state
     return tbe.lookup_with(token, w, momentum, lr, values, offsets, weights, constants)
@@ -158,7 +171,7 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
 
     if any(plan.a2a_slots):
         send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]
-        l2d, v, w = _permute(send_rows, lengths2d, values, weights)
+        l2d, v, w = permute_rows(send_rows, lengths2d, values, weights)
         mine = plan.a2a_slots[rank]
         rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world)
         pooled = _lookup(tbes.get("a2a"), a2a_state, constants.get("a2a"), rl, rv, rw, world * batch, dtype)
@@ -168,7 +181,7 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
 
     if plan.rw_features:
         rows = [kpos[f] for _, f in plan.rw_features]
-        l2d, v, w = _permute(rows, lengths2d, values, weights)
+        l2d, v, w = permute_rows(rows, lengths2d, values, weights)
         blocks = torch.tensor([t.row_block for t, _ in plan.rw_features], dtype=l2d.dtype, device=l2d.device)
         bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
             l2d.reshape(-1), v, False, False, blocks, world, w)
@@ -179,7 +192,7 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
 
     for t, weight in zip(plan.dp_tables, dp_weights):
         rows = [kpos[f] for f in t.features]
-        l2d, v, w = _permute(rows, lengths2d, values, weights)
+        l2d, v, w = permute_rows(rows, lengths2d, values, weights)
         offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(l2d.reshape(-1))
         pooled = F.embedding_bag(v, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
         parts.append(pooled.view(len(t.features), batch, t.embedding_dim).transpose(0, 1)
