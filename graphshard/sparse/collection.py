@@ -135,13 +135,13 @@ class SparseCollection:
             values, lengths, weights, keys = uses[0]
             return [self.run(values, lengths, weights, state, keys, constants)]
         features = list(self.layout.features)
-        batches = {lengths.shape[0] // len(keys) for _, lengths, _, keys in uses}
-        if len(batches) != 1:
+        batches = [lengths.shape[0] // len(keys) for _, lengths, _, keys in uses]
+        if any(b != batches[0] for b in batches):
             raise NotImplementedError(
                 f"{self.layout.fqns}: the uses of one shared embedding module in a step have batch sizes "
-                f"{sorted(batches)}; graphshard merges them into one lookup, which needs equal batch sizes"
+                f"{batches}; graphshard merges them into one lookup, which needs equal batch sizes"
             )
-        batch = batches.pop()
+        batch = batches[0]
         parts = [permute_features(values, lengths, weights, keys, features) for values, lengths, weights, keys in uses]
         n, f = len(parts), len(features)
         lengths2d = torch.cat([p[0] for p in parts])

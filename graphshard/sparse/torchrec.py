@@ -63,10 +63,13 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
                            md.shard_sizes[1])
                 for md in ps.sharding_spec.shards
             )
-        if st not in ("data_parallel",) and str(ps.compute_kernel) not in ("fused", "dense"):
+        if st != "data_parallel" and str(ps.compute_kernel) != "fused":
             raise NotImplementedError(
-                f"{fqns[0]}: table {c.name!r} asks for compute kernel {ps.compute_kernel!r}; graphshard runs "
-                "'fused' (fbgemm TBE, optimizer in the backward) on the CPU"
+                f"{fqns[0]}: table {c.name!r} is {st} with compute kernel {ps.compute_kernel!r}; graphshard shards "
+                "tables with the 'fused' kernel (fbgemm TBE, optimizer in the backward): build the plan with "
+                "compute_kernel='fused' (table_wise(rank=0, compute_kernel='fused'), ...). TorchRec's helpers "
+                "default to 'dense' on the CPU, a dense gradient for the user's optimizer, which graphshard "
+                "does not run yet"
             )
         tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
     return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables), weighted=bool(module.is_weighted()),

@@ -60,10 +60,12 @@ def _tables(model: str):
 def _sharding(model: str, world: int) -> dict:
     from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
 
+    fused = "fused"  # TorchRec's helpers default to the dense kernel on the CPU (no fused optimizer)
     if model == "dlrm":
-        return {"t_tw": table_wise(rank=0), "t_mean": table_wise(rank=world - 1), "t_rw": row_wise(),
-                "t_cw": column_wise(ranks=list(range(world))), "t_dp": data_parallel()}
-    return {"t_tw": table_wise(rank=world - 1), "t_rw": row_wise()}
+        return {"t_tw": table_wise(rank=0, compute_kernel=fused), "t_mean": table_wise(rank=world - 1, compute_kernel=fused),
+                "t_rw": row_wise(compute_kernel=fused), "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused),
+                "t_dp": data_parallel()}
+    return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused)}
 
 
 class Tower(nn.Module):

@@ -1,0 +1,51 @@
+"""graphshard.model_parallel against TorchRec's DistributedModelParallel and the single process
+(tests/workers/dmp.py).
+
+TorchRec's DLRM (five tables: table-wise, table-wise with mean pooling, row-wise, column-wise,
+data-parallel) and a two-tower model holding one ``EmbeddingBagCollection`` under two FQNs
+train on 2 gloo ranks with graphshard's DMP, with TorchRec's (same plan, same fused
+optimizer, same initial weights) and unwrapped in one process on the global batch: losses and
+every table and dense parameter (read back through ``state_dict()``) must match the single
+process within 1e-5, and the state dicts must have the model's FQNs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _launch import torchrun
+
+TOL = 1e-5
+CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad"]
+TORCHREC_WRONG = {"twotower:rowwise_adagrad"}
+"""TorchRec (1.9.2) shards a module reachable under two FQNs per FQN and applies the fused
+update once per use: row-wise Adagrad then accumulates its state twice a step, and the tables
+train ~9e-2 away from the single process (it logs "Module item.ebc is already in cache").
+graphshard merges the two uses into one lookup and one update."""
+
+
+@pytest.fixture(scope="module")
+def results():
+    return {r["case"]: r for r in torchrun("dmp.py", CASES, nproc=2)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_graphshard_matches_single_process(results, case):
+    r = results[case]
+    assert r["keys_graphshard"] == r["keys_reference"]
+    assert r["loss_gs_ref"] <= TOL, r
+    assert set(r["param_gs_ref"]) == set(r["keys_reference"])
+    bad = {k: v for k, v in r["param_gs_ref"].items() if v > TOL}
+    assert not bad, bad
+    assert all(r["moved"][t] > 1e-4 for t in r["tables"]), {t: r["moved"][t] for t in r["tables"]}  # every table trained
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torchrec_same_program(results, case):
+    r = results[case]
+    assert r["keys_torchrec"] == r["keys_reference"]
+    if case in TORCHREC_WRONG:
+        assert max(r["param_tr_ref"].values()) > 1e-2, r["param_tr_ref"]  # TorchRec's known defect, still there
+        return
+    assert r["loss_tr_ref"] <= TOL and max(r["param_tr_ref"].values()) <= TOL, r
+    assert max(r["param_gs_tr"].values()) <= TOL, r["param_gs_tr"]
