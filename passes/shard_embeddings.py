@@ -73,7 +73,7 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
     with g.inserting_before(last):
         const_nodes = []
         for tbe, name, t in consts:
-            attr = _fresh_attr(gm, f"_sparse_{key.split('/', 1)[0]}_{tbe}_{name}", t)
+            attr = _fresh_attr(gm, f"_sparse_{tbe}_{name}", t)
             n = g.get_attr(attr)
             n.meta["val"] = ctx.fake_mode.from_tensor(t, static_shapes=True)
             const_nodes.append(n)

@@ -1,0 +1,299 @@
+"""shard_embeddings: each logical lookup of a sharded embedding collection -> its per-rank program.
+
+Golden graphs on the fake process group (world size 4, this process is rank 0), right after the
+pass, one per sharding type: the input distribution (fbgemm permutes / bucketizes, the lengths'
+all-to-all, the ids' all-to-all with data-dependent sizes), the fused TBE lookup, and the
+output distribution (all-to-all, reduce-scatter), then the columns in the module's order.
+Numerics are checked on 2 gloo ranks (tests/test_model_parallel.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from expecttest import TestCase
+
+pytest.importorskip("torchrec")
+
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
+from torchrec.distributed.sharding_plan import (  # noqa: E402
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
+
+from _golden import capture_dynamo, render  # noqa: E402
+import graphshard  # noqa: E402
+from graphshard.backend import prepare  # noqa: E402
+from graphshard.config import CompileConfig  # noqa: E402
+from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
+from graphshard.passes.pipeline import pre_autograd_passes, run_passes  # noqa: E402
+
+FUSED = "fused"
+
+
+class Sparse(nn.Module):
+    def __init__(self, tables):
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+def _kjt(features, batch=2):
+    lengths = torch.tensor([1, 2] * len(features))[: len(features) * batch]
+    return KeyedJaggedTensor(keys=features, values=torch.arange(int(lengths.sum())) % 8, lengths=lengths)
+
+
+def after_pass(tables, sharding, upto="shard_embeddings"):
+    torch.manual_seed(0)
+    model = Sparse(tables)
+    plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_param_sharding=sharding,
+                                                               world_size=dist.get_world_size(), device_type="cpu")})
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   sharders=[EmbeddingBagCollectionSharder(fused_params={})],
+                                   init_data_parallel=False)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
+    gs_plan = graphshard.Plan(mesh, {"": graphshard.Replicate()})
+    graphshard.shard(dmp.module, gs_plan)
+    features = [f for t in tables for f in t.feature_names]
+    gm, inputs = capture_dynamo(dmp.module, _kjt(features))
+    prepared = prepare(gm, inputs, CompileConfig(lower="eager"))
+    passes = pre_autograd_passes()
+    names = [p.__name__ for p in passes]
+    g = run_passes(prepared.graph, prepared.ctx, passes[: names.index(upto) + 1])
+    return render(g, gs_plan), prepared.ctx.report
+
+
+def T(name, features, rows=8, dim=4, pooling=PoolingType.SUM):
+    return EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=features, pooling=pooling)
+
+
+class TestShardEmbeddings(TestCase):
+    def test_before_the_pass_one_logical_lookup(self):
+        text, _ = after_pass([T("a", ["f0"])], {"a": table_wise(rank=0, compute_kernel=FUSED)}, upto="localize_random")
+        self.assertEqual(text.count("graphshard.embedding_bags.default("), 1)
+        self.assertNotIn("all_to_all", text)
+
+    def test_table_wise(self):
+        # two tables on ranks 0 and 2, a mean-pooled one: features go to their owner by an
+        # all-to-all of lengths (static sizes) then of ids (sizes from the lengths: unbacked)
+        text, report = after_pass([T("a", ["f0", "f1"]), T("b", ["f2"], pooling=PoolingType.MEAN)],
+                                  {"a": table_wise(rank=0, compute_kernel=FUSED), "b": table_wise(rank=2, compute_kernel=FUSED)})
+        self.assertIn("ebc: table_wise a@0 b@2", report.sparse[0])
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[32]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[6]", arg5_1: "i64[9]"):
+        _sparse_a2a_weights_offsets: "i64[2]" = self._sparse_a2a_weights_offsets
+        _sparse_a2a_d_offsets: "i32[3]" = self._sparse_a2a_D_offsets
+        _sparse_a2a_hash_size_cumsum: "i64[3]" = self._sparse_a2a_hash_size_cumsum
+        _sparse_a2a_momentum_offsets: "i64[1]" = self._sparse_a2a_momentum_offsets
+        _sparse_a2a_rows: "i64[2]" = self._sparse_a2a_rows
+        view: "i64[3, 2]" = torch.ops.aten.view.default(arg4_1, [3, 2])
+        check_ids: "i64[9]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [8, 8, 8], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'a')\\nfeature 'f2' (table 'b')");  arg5_1 = arg4_1 = None
+        view_1: "i64[6]" = torch.ops.aten.view.default(view, [-1])
+        _sparse_const: "i64[3]" = self._sparse_const
+        lift_fresh_copy: "i64[3]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[3]" = torch.ops.aten.sum.dim_IntList(view, [1])
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy, sum_1);  zeros = lift_fresh_copy = sum_1 = None
+        all_to_all: "i64[16]" = torch.ops.graphshard.all_to_all.default(view_1, [4, 4, 4, 4], [4, 0, 2, 0], 'dp');  view_1 = None
+        view_2: "i64[4, 4]" = torch.ops.aten.view.default(all_to_all, [4, 4])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem: "i64[]" = unbind[0]
+        getitem_1: "i64[]" = unbind[1]
+        getitem_2: "i64[]" = unbind[2]
+        getitem_3: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u0)" = torch.ops.aten._local_scalar_dense.default(getitem);  getitem = None
+        _local_scalar_dense_1: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_1);  getitem_1 = None
+        _local_scalar_dense_2: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_2);  getitem_2 = None
+        _local_scalar_dense_3: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_4: "i64[]" = unbind_1[0]
+        getitem_5: "i64[]" = unbind_1[1]
+        getitem_6: "i64[]" = unbind_1[2]
+        getitem_7: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_4);  getitem_4 = None
+        _local_scalar_dense_5: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_5);  getitem_5 = None
+        _local_scalar_dense_6: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_6);  getitem_6 = None
+        _local_scalar_dense_7: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        all_to_all_1: "i64[u4 + u5 + u6 + u7]" = torch.ops.graphshard.all_to_all.default(check_ids, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  check_ids = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_3: "i64[8, 2]" = torch.ops.aten.view.default(all_to_all, [8, 2]);  all_to_all = None
+        _sparse_const_1: "i32[8]" = self._sparse_const_1
+        lift_fresh_copy_1: "i32[8]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        permute_2d_sparse_data = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy_1, view_3, all_to_all_1);  lift_fresh_copy_1 = view_3 = all_to_all_1 = None
+        getitem_8: "i64[8, 2]" = permute_2d_sparse_data[0]
+        getitem_9: "i64[u8]" = permute_2d_sparse_data[1];  permute_2d_sparse_data = None
+        view_4: "i64[16]" = torch.ops.aten.view.default(getitem_8, [-1]);  getitem_8 = None
+        asynchronous_complete_cumsum: "i64[17]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_4);  view_4 = None
+        tbe_lookup: "f32[8, 8]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_a2a_weights_offsets, _sparse_a2a_d_offsets, _sparse_a2a_hash_size_cumsum, _sparse_a2a_momentum_offsets, _sparse_a2a_rows, getitem_9, asynchronous_complete_cumsum, None, 8, 4, 4, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'a')", [0, 0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_a2a_weights_offsets = _sparse_a2a_d_offsets = _sparse_a2a_hash_size_cumsum = _sparse_a2a_momentum_offsets = _sparse_a2a_rows = getitem_9 = asynchronous_complete_cumsum = None
+        view_5: "f32[64]" = torch.ops.aten.view.default(tbe_lookup, [-1]);  tbe_lookup = None
+        all_to_all_2: "f32[24]" = torch.ops.graphshard.all_to_all.default(view_5, [16, 0, 8, 0], [16, 16, 16, 16], 'dp');  view_5 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(all_to_all_2, [16, 0, 8, 0]);  all_to_all_2 = None
+        getitem_11: "f32[16]" = split_with_sizes[0]
+        getitem_13: "f32[8]" = split_with_sizes[2];  split_with_sizes = None
+        view_6: "f32[2, 8]" = torch.ops.aten.view.default(getitem_11, [2, 8]);  getitem_11 = None
+        view_7: "f32[2, 4]" = torch.ops.aten.view.default(getitem_13, [2, 4]);  getitem_13 = None
+        cat: "f32[2, 12]" = torch.ops.aten.cat.default([view_6, view_7], 1);  view_6 = view_7 = None
+        _sparse_const_2: "i64[12]" = self._sparse_const_2
+        lift_fresh_copy_2: "i64[12]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_2);  _sparse_const_2 = None
+        index_select: "i64[12, 2]" = torch.ops.aten.index_select.default(view, 0, lift_fresh_copy_2);  view = lift_fresh_copy_2 = None
+        t: "i64[2, 12]" = torch.ops.aten.t.default(index_select);  index_select = None
+        _sparse_const_3: "b8[12]" = self._sparse_const_3
+        lift_fresh_copy_3: "b8[12]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_3);  _sparse_const_3 = None
+        clamp: "i64[2, 12]" = torch.ops.aten.clamp.default(t, 1);  t = None
+        _to_copy: "f32[2, 12]" = torch.ops.aten._to_copy.default(clamp, dtype = torch.float32);  clamp = None
+        masked_fill: "f32[2, 12]" = torch.ops.aten.masked_fill.Scalar(_to_copy, lift_fresh_copy_3, 1.0);  _to_copy = lift_fresh_copy_3 = None
+        div: "f32[2, 12]" = torch.ops.aten.div.Tensor(cat, masked_fill);  cat = masked_fill = None
+        return (div,)
+""")
+
+    def test_row_wise(self):
+        # ids bucketized by row block (fbgemm), exchanged, looked up in this rank's block; the
+        # partial sums reduce-scattered back to the samples' ranks
+        text, _ = after_pass([T("a", ["f0"], rows=10)], {"a": row_wise(compute_kernel=FUSED)})
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[12]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[2]", arg5_1: "i64[3]"):
+        _sparse_rw_weights_offsets: "i64[1]" = self._sparse_rw_weights_offsets
+        _sparse_rw_d_offsets: "i32[2]" = self._sparse_rw_D_offsets
+        _sparse_rw_hash_size_cumsum: "i64[2]" = self._sparse_rw_hash_size_cumsum
+        _sparse_rw_momentum_offsets: "i64[1]" = self._sparse_rw_momentum_offsets
+        _sparse_rw_rows: "i64[1]" = self._sparse_rw_rows
+        view: "i64[1, 2]" = torch.ops.aten.view.default(arg4_1, [1, 2])
+        check_ids: "i64[3]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [10], "feature 'f0' (table 'a')");  arg5_1 = arg4_1 = None
+        _sparse_const: "i64[1]" = self._sparse_const
+        lift_fresh_copy: "i64[1]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        view_1: "i64[2]" = torch.ops.aten.view.default(view, [-1]);  view = None
+        block_bucketize_sparse_features = torch.ops.fbgemm.block_bucketize_sparse_features.default(view_1, check_ids, False, False, lift_fresh_copy, 4);  view_1 = check_ids = lift_fresh_copy = None
+        getitem: "i64[8]" = block_bucketize_sparse_features[0]
+        getitem_1: "i64[3]" = block_bucketize_sparse_features[1];  block_bucketize_sparse_features = None
+        view_2: "i64[4, 2]" = torch.ops.aten.view.default(getitem, [4, 2]);  getitem = None
+        view_3: "i64[8]" = torch.ops.aten.view.default(view_2, [-1])
+        _sparse_const_1: "i64[4]" = self._sparse_const_1
+        lift_fresh_copy_1: "i64[4]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_1, sum_1);  zeros = lift_fresh_copy_1 = sum_1 = None
+        all_to_all: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_3, [2, 2, 2, 2], [2, 2, 2, 2], 'dp');  view_3 = None
+        view_4: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_4, [1]);  view_4 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_5: "i64[]" = unbind[0]
+        getitem_6: "i64[]" = unbind[1]
+        getitem_7: "i64[]" = unbind[2]
+        getitem_8: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u0)" = torch.ops.aten._local_scalar_dense.default(getitem_5);  getitem_5 = None
+        _local_scalar_dense_1: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_6);  getitem_6 = None
+        _local_scalar_dense_2: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        _local_scalar_dense_3: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_9: "i64[]" = unbind_1[0]
+        getitem_10: "i64[]" = unbind_1[1]
+        getitem_11: "i64[]" = unbind_1[2]
+        getitem_12: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_5: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        _local_scalar_dense_6: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_11);  getitem_11 = None
+        _local_scalar_dense_7: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_12);  getitem_12 = None
+        all_to_all_1: "i64[u4 + u5 + u6 + u7]" = torch.ops.graphshard.all_to_all.default(getitem_1, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  getitem_1 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_5: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2]);  all_to_all = None
+        view_6: "i64[8]" = torch.ops.aten.view.default(view_5, [-1]);  view_5 = None
+        asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_6);  view_6 = None
+        tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_rw_weights_offsets, _sparse_rw_d_offsets, _sparse_rw_hash_size_cumsum, _sparse_rw_momentum_offsets, _sparse_rw_rows, all_to_all_1, asynchronous_complete_cumsum, None, 4, 4, 2, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')", [0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_rw_weights_offsets = _sparse_rw_d_offsets = _sparse_rw_hash_size_cumsum = _sparse_rw_momentum_offsets = _sparse_rw_rows = all_to_all_1 = asynchronous_complete_cumsum = None
+        reduce_scatter: "f32[2, 4]" = torch.ops.graphshard.reduce_scatter.default(tbe_lookup, 0, 'dp', 4, 0);  tbe_lookup = None
+        return (reduce_scatter,)
+""")
+
+    def test_column_wise(self):
+        # the feature goes to both column blocks' ranks; the pooled blocks come back side by side
+        text, _ = after_pass([T("a", ["f0"], dim=8)], {"a": column_wise(ranks=[0, 1], compute_kernel=FUSED)})
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[32]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[2]", arg5_1: "i64[3]"):
+        _sparse_a2a_weights_offsets: "i64[1]" = self._sparse_a2a_weights_offsets
+        _sparse_a2a_d_offsets: "i32[2]" = self._sparse_a2a_D_offsets
+        _sparse_a2a_hash_size_cumsum: "i64[2]" = self._sparse_a2a_hash_size_cumsum
+        _sparse_a2a_momentum_offsets: "i64[1]" = self._sparse_a2a_momentum_offsets
+        _sparse_a2a_rows: "i64[1]" = self._sparse_a2a_rows
+        view: "i64[1, 2]" = torch.ops.aten.view.default(arg4_1, [1, 2])
+        check_ids: "i64[3]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [8], "feature 'f0' (table 'a')");  arg5_1 = arg4_1 = None
+        _sparse_const: "i32[2]" = self._sparse_const
+        lift_fresh_copy: "i32[2]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        permute_2d_sparse_data = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy, view, check_ids);  lift_fresh_copy = view = check_ids = None
+        getitem: "i64[2, 2]" = permute_2d_sparse_data[0]
+        getitem_1: "i64[u0]" = permute_2d_sparse_data[1];  permute_2d_sparse_data = None
+        view_1: "i64[4]" = torch.ops.aten.view.default(getitem, [-1])
+        _sparse_const_1: "i64[2]" = self._sparse_const_1
+        lift_fresh_copy_1: "i64[2]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[2]" = torch.ops.aten.sum.dim_IntList(getitem, [1]);  getitem = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_1, sum_1);  zeros = lift_fresh_copy_1 = sum_1 = None
+        all_to_all: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_1, [2, 2, 2, 2], [2, 2, 0, 0], 'dp');  view_1 = None
+        view_2: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_3: "i64[]" = unbind[0]
+        getitem_4: "i64[]" = unbind[1]
+        getitem_5: "i64[]" = unbind[2]
+        getitem_6: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        _local_scalar_dense_1: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_4);  getitem_4 = None
+        _local_scalar_dense_2: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_5);  getitem_5 = None
+        _local_scalar_dense_3: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_6);  getitem_6 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_7: "i64[]" = unbind_1[0]
+        getitem_8: "i64[]" = unbind_1[1]
+        getitem_9: "i64[]" = unbind_1[2]
+        getitem_10: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        _local_scalar_dense_5: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        _local_scalar_dense_6: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_7: "Sym(u8)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        all_to_all_1: "i64[u5 + u6 + u7 + u8]" = torch.ops.graphshard.all_to_all.default(getitem_1, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  getitem_1 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_3: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2]);  all_to_all = None
+        view_4: "i64[8]" = torch.ops.aten.view.default(view_3, [-1]);  view_3 = None
+        asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_4);  view_4 = None
+        tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_a2a_weights_offsets, _sparse_a2a_d_offsets, _sparse_a2a_hash_size_cumsum, _sparse_a2a_momentum_offsets, _sparse_a2a_rows, all_to_all_1, asynchronous_complete_cumsum, None, 4, 4, 4, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')", [0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_a2a_weights_offsets = _sparse_a2a_d_offsets = _sparse_a2a_hash_size_cumsum = _sparse_a2a_momentum_offsets = _sparse_a2a_rows = all_to_all_1 = asynchronous_complete_cumsum = None
+        view_5: "f32[32]" = torch.ops.aten.view.default(tbe_lookup, [-1]);  tbe_lookup = None
+        all_to_all_2: "f32[16]" = torch.ops.graphshard.all_to_all.default(view_5, [8, 8, 0, 0], [8, 8, 8, 8], 'dp');  view_5 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(all_to_all_2, [8, 8, 0, 0]);  all_to_all_2 = None
+        getitem_11: "f32[8]" = split_with_sizes[0]
+        getitem_12: "f32[8]" = split_with_sizes[1];  split_with_sizes = None
+        view_6: "f32[2, 4]" = torch.ops.aten.view.default(getitem_11, [2, 4]);  getitem_11 = None
+        view_7: "f32[2, 4]" = torch.ops.aten.view.default(getitem_12, [2, 4]);  getitem_12 = None
+        cat: "f32[2, 8]" = torch.ops.aten.cat.default([view_6, view_7], 1);  view_6 = view_7 = None
+        return (cat,)
+""")
+
+    def test_data_parallel(self):
+        # a replicated table: a local embedding_bag on the (data-parallel) parameter, no exchange
+        text, _ = after_pass([T("a", ["f0"])], {"a": data_parallel()})
+        self.assertNotIn("all_to_all", text)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[8, 4]", arg1_1: "i64[2]", arg2_1: "i64[3]"):
+        unshard_default = torch.ops.graphshard.unshard.default([arg0_1], ['ebc.embedding_bags.a.weight']);  arg0_1 = None
+        getitem: "f32[8, 4]" = unshard_default[0];  unshard_default = None
+        view: "i64[1, 2]" = torch.ops.aten.view.default(arg1_1, [1, 2])
+        check_ids: "i64[3]" = torch.ops.graphshard.check_ids.default(arg2_1, arg1_1, [8], "feature 'f0' (table 'a')");  arg2_1 = arg1_1 = None
+        view_1: "i64[2]" = torch.ops.aten.view.default(view, [-1]);  view = None
+        asynchronous_complete_cumsum: "i64[3]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_1);  view_1 = None
+        _embedding_bag = torch.ops.aten._embedding_bag.default(getitem, check_ids, asynchronous_complete_cumsum, False, 0, False, None, True);  getitem = check_ids = asynchronous_complete_cumsum = None
+        getitem_1: "f32[2, 4]" = _embedding_bag[0];  _embedding_bag = None
+        view_2: "f32[1, 2, 4]" = torch.ops.aten.view.default(getitem_1, [1, 2, 4]);  getitem_1 = None
+        transpose: "f32[2, 1, 4]" = torch.ops.aten.transpose.int(view_2, 0, 1);  view_2 = None
+        view_3: "f32[2, 4]" = torch.ops.aten.view.default(transpose, [2, 4]);  transpose = None
+        return (view_3,)
+""")
