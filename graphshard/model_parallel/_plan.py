@@ -82,7 +82,7 @@ def round_robin(found: dict, world: int, device_type: str) -> dict[str, dict]:
     for mod, fqns in found.values():
         per_param = {}
         for cfg in mod.embedding_bag_configs():
-            per_param[cfg.name] = table_wise(rank=rank % world)
+            per_param[cfg.name] = table_wise(rank=rank % world, compute_kernel="fused")
             rank += 1
         plans[fqns[0]] = construct_module_sharding_plan(mod, per_param_sharding=per_param, world_size=world,
                                                         device_type=device_type)

@@ -1,0 +1,166 @@
+"""graphshard.model_parallel's API and its errors, on the fake process group (world size 4, rank 0).
+
+Training numerics are in tests/test_model_parallel.py (2 gloo ranks); here: what needs no
+collective: the constructor's plan handling, the module's FQNs and state, and each bad input's
+error naming the table, feature or module and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+pytest.importorskip("torchrec")
+
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata  # noqa: E402
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise  # noqa: E402
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
+
+from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
+from graphshard.sparse.ops import ops as sparse_ops  # noqa: E402
+
+FUSED = "fused"
+
+
+def _tables():
+    return [EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=10, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="b", embedding_dim=8, num_embeddings=12, feature_names=["f2"])]
+
+
+class Tower(nn.Module):
+    def __init__(self, ebc):
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt):
+        return self.ebc(kjt).values()
+
+
+class TwoTower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        ebc = EmbeddingBagCollection(tables=_tables(), device=torch.device("cpu"))
+        self.query, self.item = Tower(ebc), Tower(ebc)
+
+    def forward(self, q, i):
+        return self.query(q) + self.item(i)
+
+
+def _module_plan(ebc, sharding=None):
+    sharding = sharding or {"a": table_wise(rank=1, compute_kernel=FUSED), "b": row_wise(compute_kernel=FUSED)}
+    return construct_module_sharding_plan(ebc, per_param_sharding=sharding, world_size=dist.get_world_size(),
+                                          device_type="cpu")
+
+
+def _dmp(model, plan, **kw):
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                    sharders=[EmbeddingBagCollectionSharder(fused_params={})],
+                                    init_data_parallel=False, **kw)
+
+
+def test_shared_module_sharded_once_under_either_fqn():
+    torch.manual_seed(0)
+    model = TwoTower()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = ShardingPlan({"item.ebc": _module_plan(model.item.ebc)})  # the plan may name either FQN
+    dmp = _dmp(model, plan)
+    assert len(dmp._collections) == 1 and dmp._collections[0].layout.fqns == ("query.ebc", "item.ebc")
+    state = dmp.state_dict()
+    assert sorted(state) == sorted(before)  # every FQN, the user's names
+    # the module's weights are kept (this rank's pieces): table a lives on rank 1, b's row block 0 here
+    coll = dmp._collections[0]
+    (shard, piece), = coll.local_pieces("b")
+    torch.testing.assert_close(piece, before["query.ebc.embedding_bags.b.weight"][shard.row_offset:shard.row_offset + shard.rows])
+    assert coll.local_pieces("a") == []
+    assert not any("_graphshard" in n for n, _ in dmp.named_buffers())
+    assert not any(".embedding_bags." in n for n, _ in dmp.named_parameters())  # fused tables: no dense parameter
+
+
+def test_same_plan_under_both_fqns_is_one_plan():
+    model = TwoTower()
+    plan = ShardingPlan({"query.ebc": _module_plan(model.query.ebc), "item.ebc": _module_plan(model.item.ebc)})
+    assert len(_dmp(model, plan)._collections) == 1
+
+
+def test_two_plans_for_one_shared_module():
+    model = TwoTower()
+    other = _module_plan(model.item.ebc, {"a": table_wise(rank=0, compute_kernel=FUSED), "b": row_wise(compute_kernel=FUSED)})
+    plan = ShardingPlan({"query.ebc": _module_plan(model.query.ebc), "item.ebc": other})
+    with pytest.raises(ValueError, match=r"reachable as 'query.ebc' and 'item.ebc'.*two different shardings"):
+        _dmp(model, plan)
+
+
+def test_plan_names_missing_module():
+    model = TwoTower()
+    plan = ShardingPlan({"tower.ebc": _module_plan(model.query.ebc)})
+    with pytest.raises(ValueError, match=r"names module 'tower.ebc'.*embedding modules are \['item.ebc', 'query.ebc'\]"):
+        _dmp(model, plan)
+
+
+def test_plan_names_missing_table():
+    model = TwoTower()
+    mp = _module_plan(model.query.ebc)
+    mp["zz"] = mp["a"]
+    with pytest.raises(ValueError, match=r"names table\(s\) \['zz'\].*its tables are \['a', 'b'\]"):
+        _dmp(model, ShardingPlan({"query.ebc": mp}))
+
+
+def test_column_split_must_tile_the_dim():
+    model = TwoTower()
+    mp = _module_plan(model.query.ebc)
+    spec = EnumerableShardingSpec([ShardMetadata([0, 0], [10, 3], "rank:0/cpu"), ShardMetadata([0, 3], [10, 3], "rank:1/cpu")])
+    mp["a"] = ParameterSharding(sharding_type="column_wise", compute_kernel=FUSED, ranks=[0, 1], sharding_spec=spec)
+    with pytest.raises(ValueError, match=r"table 'a': column-wise shards \[\(0, 3\), \(3, 3\)\] do not tile the embedding dim 8"):
+        _dmp(model, ShardingPlan({"query.ebc": mp}))
+
+
+def test_dense_kernel_refused_with_the_fix():
+    model = TwoTower()
+    mp = _module_plan(model.query.ebc, {"a": table_wise(rank=0), "b": row_wise(compute_kernel=FUSED)})
+    with pytest.raises(NotImplementedError, match=r"table 'a' is table_wise with compute kernel 'dense'.*compute_kernel='fused'"):
+        _dmp(model, ShardingPlan({"query.ebc": mp}))
+
+
+def test_default_plan_is_table_wise_round_robin():
+    model = TwoTower()
+    dmp = _dmp(model, None)
+    (mp,) = dmp.plan.plan.values()
+    assert {t: (ps.sharding_type, ps.ranks, ps.compute_kernel) for t, ps in mp.items()} == {
+        "a": ("table_wise", [0], "fused"), "b": ("table_wise", [1], "fused")}
+
+
+def test_kjt_lengths_and_values_disagree():
+    model = TwoTower()
+    dmp = _dmp(model, None)
+    good = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(3), lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    bad = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.arange(5), lengths=torch.tensor([1, 0, 1, 0, 1, 0]))
+    with pytest.raises(ValueError, match=r"argument 1: the KeyedJaggedTensor's lengths sum to 3 but it has 5 values"):
+        dmp(good, bad)
+
+
+def test_kjt_missing_feature():
+    model = TwoTower()
+    dmp = _dmp(model, None)
+    kjt = KeyedJaggedTensor(keys=["f0", "f2"], values=torch.arange(2), lengths=torch.tensor([1, 0, 1, 0]))
+    with pytest.raises(ValueError, match=r"query.ebc: the KeyedJaggedTensor has no feature\(s\) \['f1'\]"):
+        dmp.module.query(kjt)
+
+
+def test_out_of_range_id_names_feature_and_table():
+    lengths = torch.tensor([1, 1, 2, 0])  # features f0 (rows 10), f2 (rows 12); batch 2
+    with pytest.raises(ValueError, match=r"id 12 of feature 'f2' \(table 'b'\) is outside the table's 12 rows"):
+        sparse_ops.check_ids(torch.tensor([3, 9, 12, 0]), lengths, [10, 12],
+                             "feature 'f0' (table 'a')\nfeature 'f2' (table 'b')")
+    ok = torch.tensor([3, 9, 11, 0])
+    assert torch.equal(sparse_ops.check_ids(ok, lengths, [10, 12], "a\nb"), ok)
+
+
+def test_other_wrappers_refused():
+    with pytest.raises(NotImplementedError, match="data_parallel_wrapper"):
+        _dmp(TwoTower(), None, data_parallel_wrapper=object())
