@@ -56,6 +56,13 @@ def allow_data_dependent_sizes(fake_mode: FakeTensorMode) -> None:
     env.settings = dataclasses.replace(env.settings, allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True)
 
 
+def is_sharded_tensor(value) -> bool:
+    """A ``torch.distributed._shard`` ShardedTensor (TorchRec's state dicts hold its tables so)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
 def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 

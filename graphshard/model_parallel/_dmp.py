@@ -78,8 +78,7 @@ class DistributedModelParallel(nn.Module):
                     f"its embedding modules are {sorted(known) or 'none'}"
                 )
         self._plan = plan
-        group = dist.distributed_c10d._get_process_group_name(self._env.process_group) \
-            if hasattr(dist.distributed_c10d, "_get_process_group_name") else self._env.process_group.group_name
+        group = self._env.process_group.group_name
         self._sharded: list[_plan.Sharded] = []
         self._collections = []
         for mod, fqns in found.values():

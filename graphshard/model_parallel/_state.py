@@ -7,6 +7,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _TBE_PREFIX = "_graphshard_tbes"
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -113,8 +114,18 @@ def load_state_dict(dmp, state: dict, prefix: str, strict: bool):
     missing, unexpected = [], []
     for coll in dmp._collections:
         load_tables(coll, state, prefix, missing)
-    result = dmp.module.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)},
-                                        strict=False)
+    own = {k: v for k, v in dmp.module.state_dict().items()}
+    rest = {}
+    for k, v in state.items():
+        if not k.startswith(prefix):
+            continue
+        name = k[len(prefix):]
+        current = own.get(name)
+        if isinstance(current, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+            # a full tensor (TorchRec's DDP parameters, an unsharded model): laid out as ours
+            v = distribute_tensor(v.to(current.dtype), current.device_mesh, current.placements)
+        rest[name] = v
+    result = dmp.module.load_state_dict(rest, strict=False)
     missing += [f"{prefix}{k}" for k in result.missing_keys if not _strip("", k)]
     unexpected += [f"{prefix}{k}" for k in result.unexpected_keys]
     if strict and (missing or unexpected):

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from graphshard import _compat
+
 
 @functools.lru_cache(maxsize=None)
 def _mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
@@ -56,6 +58,18 @@ def _dtensor(coll, table: str, ranks, placements) -> DTensor:
                               stride=(t.embedding_dim, 1))
 
 
+def _gather_sharded_tensor(value) -> torch.Tensor:
+    """A TorchRec ``ShardedTensor`` (its state dict's table) as the full table on every rank."""
+    import torch.distributed as dist
+
+    full = torch.zeros(value.size(), dtype=value.dtype)
+    for s in value.local_shards():
+        (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+        full[r:r + nr, c:c + nc] = s.tensor
+    dist.all_reduce(full)  # every element is in exactly one rank's shard
+    return full
+
+
 def table_entries(coll, prefix: str) -> dict[str, DTensor]:
     return {f"{prefix}embedding_bags.{name}.weight": _dtensor(coll, name, ranks, pl)
             for name, (ranks, pl) in _meshes(coll).items()}
@@ -75,7 +89,9 @@ def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
                     missing.append(key)
                 continue
             value = state.pop(key)
-            if isinstance(value, DTensor):
+            if _compat.is_sharded_tensor(value):
+                value = _gather_sharded_tensor(value)
+            elif isinstance(value, DTensor):
                 if value.device_mesh.get_coordinate() is None:
                     continue  # this rank holds none of it (and so, under the same plan, none of the table)
                 value = value.full_tensor()

@@ -152,6 +152,12 @@ def _table_fqns(model: str) -> list[str]:
     return [f"{base}.embedding_bags.{t.name}.weight" for t in _tables(model)]
 
 
+def _compat_sharded(value) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
 def _full(value) -> torch.Tensor:
     """A state-dict entry as the full tensor on every rank (sharded tensors: pieces summed over ranks)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor

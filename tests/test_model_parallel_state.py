@@ -1,0 +1,56 @@
+"""graphshard.model_parallel's state: DCP checkpoints across plans and world sizes, and TorchRec interchange
+(tests/workers/dmp_state.py, 2 gloo ranks, then 1 and 4 for loading)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+from _launch import torchrun  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("dmp_state"))
+    results = {r["case"]: r for r in torchrun("dmp_state.py", [d, "dcp", "interchange"], nproc=2)}
+    return d, results
+
+
+def test_dcp_reloads_under_another_plan(saved):
+    _, r = saved
+    assert r["dcp"]["trained"] > 1e-3
+    assert r["dcp"]["reshard_diff"] == 0.0 and r["dcp"]["next_loss_diff"] == 0.0, r["dcp"]
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_dcp_reloads_on_another_world_size(saved, world):
+    d, _ = saved
+    (r,) = torchrun("dmp_state.py", [d, "load_other_world"], nproc=world)
+    assert r["world"] == world and r["reshard_diff"] == 0.0, r
+
+
+def test_dcp_loads_into_the_unwrapped_model(saved):
+    import torch.distributed.checkpoint as dcp
+
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+    import dmp as common
+
+    d, _ = saved
+    model = common.build("dlrm")
+    state = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=os.path.join(d, "dcp"), no_dist=True)
+    full = torch.load(os.path.join(d, "full.pt"))
+    assert sorted(state) == sorted(full)
+    for k in full:
+        assert torch.equal(state[k], full[k]), k
+
+
+def test_torchrec_state_interchanges(saved):
+    _, r = saved
+    assert r["interchange"]["torchrec_to_graphshard"] == 0.0, r["interchange"]
+    assert r["interchange"]["graphshard_to_torchrec"] == 0.0, r["interchange"]

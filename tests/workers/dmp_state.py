@@ -1,0 +1,132 @@
+"""DMP state worker: ``torchrun --nproc-per-node 2 tests/workers/dmp_state.py DIR CASE [CASE ...]``.
+
+- ``dcp``: graphshard's DMP (the DLRM of tests/workers/dmp.py, plan A) trains two steps and saves
+  its state dict with ``torch.distributed.checkpoint`` to DIR/dcp (rank 0 also writes the full
+  tensors to DIR/full.pt); a fresh DMP under plan B (every table under another sharding type
+  or rank) loads it: its tables and dense parameters must equal the saved ones, and one more
+  step of both gives the same loss.
+- ``load_other_world``: run after ``dcp`` on another world size: DIR/dcp loads into a DMP there.
+- ``interchange``: TorchRec's DMP (plan A) trains two steps; its state dict (ShardedTensor
+  tables) loads into graphshard's DMP with ``load_state_dict``; graphshard's state saved with
+  DCP loads into a fresh TorchRec DMP. Each side's tables must equal the other's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import dmp as common
+from _runner import run_cases
+
+MODEL, OPT = "dlrm", "rowwise_adagrad"
+
+
+def _plan_b(module, world):
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    f = "fused"
+    sharding = {"t_tw": row_wise(compute_kernel=f), "t_mean": column_wise(ranks=list(range(world)), compute_kernel=f),
+                "t_rw": table_wise(rank=world - 1, compute_kernel=f), "t_cw": table_wise(rank=0, compute_kernel=f),
+                "t_dp": row_wise(compute_kernel=f)}
+    ebc = module.sparse_arch.embedding_bag_collection
+    return ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding=sharding, world_size=world, device_type="cpu")})
+
+
+def _gs(base, plan_fn, world):
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    from graphshard.model_parallel import DistributedModelParallel
+
+    m = copy.deepcopy(base)
+    return DistributedModelParallel(m, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                    plan=plan_fn(m, world),
+                                    sharders=[EmbeddingBagCollectionSharder(fused_params=common._fused(OPT))])
+
+
+def _tr(base, world):
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    m = copy.deepcopy(base)
+    return DistributedModelParallel(m, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                                    plan=common._plan(MODEL, m, world),
+                                    sharders=[EmbeddingBagCollectionSharder(fused_params=common._fused(OPT))])
+
+
+def _full_state(model) -> dict:
+    return {k: common._full(v) for k, v in model.state_dict().items()}
+
+
+def _diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def run(case: str) -> dict:
+    out_dir = sys.argv[1]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = common.build(MODEL)
+    plan_a = lambda m, w: common._plan(MODEL, m, w)  # noqa: E731
+    if case == "dcp":
+        gs = _gs(base, plan_a, world)
+        common._train(gs, MODEL, range(2), rank, world)
+        saved = _full_state(gs)
+        path = os.path.join(out_dir, "dcp")
+        dcp.save(gs.state_dict(), checkpoint_id=path)
+        if rank == 0:
+            torch.save(saved, os.path.join(out_dir, "full.pt"))
+        other = _gs(base, _plan_b, world)
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        other.load_state_dict(state)
+        loaded = _full_state(other)
+        next_a = common._train(gs, MODEL, range(2, 3), rank, world)
+        next_b = common._train(other, MODEL, range(2, 3), rank, world)
+        return {"case": case, "reshard_diff": _diff(loaded, saved), "next_loss_diff": abs(next_a[0] - next_b[0]),
+                "trained": max(float((saved[k] - v).abs().max()) for k, v in base.state_dict().items())}
+    if case == "load_other_world":  # the 2-rank "dcp" checkpoint, on this world size, plan A
+        saved = torch.load(os.path.join(out_dir, "full.pt"))
+        gs = _gs(base, plan_a, world)
+        state = gs.state_dict()
+        dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
+        gs.load_state_dict(state)
+        return {"case": case, "world": world, "reshard_diff": _diff(_full_state(gs), saved)}
+    if case == "interchange":
+        tr = _tr(base, world)
+        with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: start from the module's weights
+            init = base.state_dict()
+            for k, v in tr.state_dict().items():
+                if common._compat_sharded(v):
+                    for s in v.local_shards():
+                        (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+                        s.tensor.copy_(init[k][r:r + nr, c:c + nc])
+        common._train(tr, MODEL, range(2), rank, world)
+        tr_state = _full_state(tr)
+        gs = _gs(common.build(MODEL), plan_a, world)  # another initialization: everything comes from the load
+        gs.load_state_dict(tr.state_dict())
+        into_gs = _diff(_full_state(gs), tr_state)
+        common._train(gs, MODEL, range(2, 3), rank, world)
+        gs_state = _full_state(gs)
+        path = os.path.join(out_dir, "gs_to_tr")
+        dcp.save(gs.state_dict(), checkpoint_id=path)
+        tr2 = _tr(common.build(MODEL), world)
+        state = tr2.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        tr2.load_state_dict(state)
+        into_tr = _diff(_full_state(tr2), gs_state)
+        return {"case": case, "torchrec_to_graphshard": into_gs, "graphshard_to_torchrec": into_tr}
+    raise ValueError(case)
+
+
+if __name__ == "__main__":
+    run_cases(sys.argv[2:], run)
