@@ -21,6 +21,9 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
 - every wait sits right before its first use; the waits of a coalesced
   all-gather (one per parameter, on gloo) sit together before the first use of
   any of them, and every one of its outputs is waited, used or not;
+- in the forward, the sparse lookups' input distribution (all-to-alls of ids and lengths and
+  the integer work that builds them) is issued first, before the dense compute that precedes
+  the lookup in program order; the ids' last wait stays at the lookup;
 - reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
   for reduce-scatters on gloo) start as soon as their inputs exist (and, for a prefetch
   anchor, its prefetch has been issued); each one's
@@ -142,12 +145,44 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             key[w] = math.inf
     if ctx.stage == "backward":
         _bound_reductions(starts, waits, key, extra_deps)
+    else:
+        _hoist_sparse_input(starts, key)
 
     order = _priority_topo(nodes, key, extra_deps)
     _reorder(g, order)
     _record(gm, ctx, gathers)
     ctx.report.schedule[ctx.stage] = describe_settings(ctx.config, ctx.stage, len(gathers))
     return gm
+
+
+def _is_int_valued(n: fx.Node) -> bool:
+    v = n.meta.get("val")
+    if isinstance(v, torch.Tensor):
+        return not v.is_floating_point()
+    if isinstance(v, (list, tuple)):
+        return all(x is None or isinstance(x, torch.Tensor) and not x.is_floating_point() for x in v)
+    return isinstance(v, (int, torch.SymInt))
+
+
+def _hoist_sparse_input(starts: list[fx.Node], key: dict) -> None:
+    """The sparse lookups' input distribution (all-to-alls of ids and lengths, and the integer
+    work that builds them from the graph's inputs) runs first, so the dense compute before the
+    lookup in program order (a DLRM's bottom MLP) overlaps the ids' exchange; the last exchange's
+    wait stays at its first use (the lookup). An all-to-all whose input needs floating-point
+    compute is left where it is."""
+    for s in starts:
+        if _STARTS[s.target] != "all_to_all" or not _is_int_valued(s):
+            continue
+        closure, stack = {s}, list(s.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in closure or n.op in ("placeholder", "get_attr"):
+                continue
+            closure.add(n)
+            stack.extend(n.all_input_nodes)
+        if all(_is_int_valued(n) for n in closure):
+            for n in closure:
+                key[n] = -math.inf
 
 
 def prefetch_mode(config, stage: str) -> str | None:

@@ -49,3 +49,23 @@ def test_torchrec_same_program(results, case):
         return
     assert r["loss_tr_ref"] <= TOL and max(r["param_tr_ref"].values()) <= TOL, r
     assert max(r["param_gs_tr"].values()) <= TOL, r["param_gs_tr"]
+
+
+def test_compiled_once_for_dynamic_ids(results):
+    # the first step compiles for its sizes, the second generalizes them (the ids per batch are
+    # dynamic); no recompile after, no graph break
+    for case in CASES:
+        assert results[case]["graphs"] == 2, results[case]["explain"]
+
+
+def test_ids_exchange_overlaps_the_bottom_mlp(results):
+    # forward: the input distribution (lengths, then ids, both groups) is issued first, the dense
+    # bottom MLP runs while the ids travel, their waits sit at the lookups
+    report = results["dlrm:rowwise_adagrad"]["explain"]
+    order = next(line for line in report.splitlines() if "order after scheduling (forward)" in line)
+    events = order.split(": ", 1)[1].split(" -> ")
+    first_compute = next(i for i, e in enumerate(events) if e.startswith("compute"))
+    before = events[:first_compute]
+    assert sum(e.startswith("all_to_all") for e in before) == 4, order  # lengths and ids of both groups
+    assert sum(e.startswith("wait") for e in before) == 2, order        # only the lengths' waits
+    assert "sharded embeddings:" in report and "row_wise t_rw@0,1" in report

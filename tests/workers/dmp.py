@@ -261,6 +261,9 @@ def run(case: str) -> dict:
                        sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
     gs_losses = _train(gs, model, range(STEPS), rank, world)
     gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
+    import graphshard
+
+    report = graphshard.explain(gs.module) if rank == 0 else ""
 
     tr_model = copy.deepcopy(base)
     tr = TorchRecDMP(tr_model, env=env, device=torch.device("cpu"), plan=_plan(model, tr_model, world),
@@ -299,6 +302,8 @@ def run(case: str) -> dict:
         "param_gs_tr": diff(gs_state, tr_state),
         "tables": _table_fqns(model),
         "moved": {k: float((ref_state[k] - init[k]).abs().max()) for k in ref_state if k in init},
+        "explain": report,
+        "graphs": sum(1 for line in report.splitlines() if line.startswith("graph ")),
     }
 
 
