@@ -53,9 +53,11 @@ def test_torchrec_same_program(results, case):
 
 def test_compiled_once_for_dynamic_ids(results):
     # the first step compiles for its sizes, the second generalizes them (the ids per batch are
-    # dynamic); no recompile after, no graph break
+    # dynamic); no recompile after, no graph break. (A later case in the same process starts from
+    # the dynamic sizes dynamo learned for the same forward code: one graph.)
+    assert results[CASES[0]]["graphs"] == 2, results[CASES[0]]["explain"]
     for case in CASES:
-        assert results[case]["graphs"] == 2, results[case]["explain"]
+        assert 1 <= results[case]["graphs"] <= 2, results[case]["explain"]
 
 
 def test_ids_exchange_overlaps_the_bottom_mlp(results):
