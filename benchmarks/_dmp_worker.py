@@ -1,0 +1,124 @@
+"""One DMP benchmark run: ``torchrun --nproc-per-node 2 benchmarks/_dmp_worker.py --variant V --sharding S --out F``.
+
+DLRM (``torchrec.models.dlrm.DLRM``): 8 tables of ``--rows`` rows, dim 64, one feature each,
+``--batch`` samples per rank with ``--pooling`` ids per bag on average; every table under the
+one sharding type S (tw: table-wise round-robin, rw: row-wise, cw: column-wise over all
+ranks, dp: data-parallel), fused row-wise Adagrad for sharded tables, SGD for the dense part.
+V is ``torchrec`` (TorchRec's DistributedModelParallel) or ``graphshard``
+(graphshard.model_parallel's): the same model, plan, data and optimizers. Rank 0 writes the
+median step time, the bytes this rank's collectives move per step, and peak live memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+TABLES, DIM, DENSE_IN = 8, 64, 13
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--variant", required=True, choices=["torchrec", "graphshard"])
+    p.add_argument("--sharding", required=True, choices=["tw", "rw", "cw", "dp"])
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--pooling", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def build(args, world):
+    import torch
+    from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, data_parallel,
+                                                    row_wise, table_wise)
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    torch.manual_seed(0)
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=args.rows, feature_names=[f"f{i}"])
+              for i in range(TABLES)]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[128, DIM],
+                 over_arch_layer_sizes=[128, 1])
+    f = "fused"
+    kind = {"tw": lambda i: table_wise(rank=i % world, compute_kernel=f), "rw": lambda i: row_wise(compute_kernel=f),
+            "cw": lambda i: column_wise(ranks=list(range(world)), compute_kernel=f),
+            "dp": lambda i: data_parallel()}[args.sharding]
+    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding={f"t{i}": kind(i) for i in range(TABLES)}, world_size=world, device_type="cpu")})
+    return model, plan
+
+
+def batches(args, rank, n):
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    out = []
+    for step in range(n):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        lengths = torch.randint(0, 2 * args.pooling + 1, (TABLES * args.batch,), generator=g)
+        values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(TABLES)], values=values, lengths=lengths)
+        out.append((torch.randn(args.batch, DENSE_IN, generator=g), kjt,
+                    torch.randint(0, 2, (args.batch,), generator=g).float()))
+    return out
+
+
+def run(args, ctx):
+    import torch
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    if args.variant == "torchrec":
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+    else:
+        from graphshard.model_parallel import DistributedModelParallel
+    model, plan = build(args, ctx.world)
+    t0 = time.perf_counter()
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan,
+                                   sharders=[EmbeddingBagCollectionSharder(fused_params=fused)])
+    setup_s = time.perf_counter() - t0
+    dense = torch.optim.SGD([p for _, p in dmp.named_parameters() if p.requires_grad], lr=0.01)
+    data = batches(args, ctx.rank, 8)
+
+    def step(i):
+        x, kjt, y = data[i % len(data)]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(x, kjt).squeeze(1), y)
+        loss.backward()
+        dense.step()
+        dense.zero_grad(set_to_none=True)
+        return loss
+
+    first, times, losses, cpu_s = C.time_steps(ctx, step, args.warmup, args.steps)
+    comm = C.count_collectives(lambda: step(0))
+    peak, resident, _, method = C.peak_live_bytes(ctx, lambda: step(1))
+    per_rank = C.gather_to_rank0({"step_s": statistics.median(times), "bytes": comm["in_bytes"],
+                                  "calls": comm["calls"], "peak": peak})
+    if ctx.rank != 0:
+        return None
+    return {"status": "ok", "setup_s": setup_s, "first_step_s": first, "step_s": max(r["step_s"] for r in per_rank),
+            "cpu_s": cpu_s, "bytes_per_step": sum(r["bytes"] for r in per_rank) / len(per_rank),
+            "collectives_per_step": comm["calls"], "peak_live_mib": max(r["peak"] for r in per_rank) / 2**20,
+            "resident_mib": resident / 2**20, "memory_method": method, "loss_last": losses[-1],
+            "by_kind": comm["by_kind"]}
+
+
+if __name__ == "__main__":
+    a = parse()
+    ctx = C.init_dist()
+    sys.exit(C.run_worker(run, a, ctx, {"variant": a.variant, "sharding": a.sharding}))
