@@ -115,9 +115,18 @@ class DistributedModelParallel(nn.Module):
 
         mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
         if state_of(module) is None:
-            shard(module, Plan(mesh, {"": Replicate()}))
+            shard(module, Plan(mesh, self._dense_rules()))
         module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
         self._ddp_wrapped = True
+
+    def _dense_rules(self) -> dict:
+        """The dense parameters replicated (DDP); each data-parallel table its own unit, so its
+        (large) gradient is reduced on its own, as soon as it is computed, not packed with the rest."""
+        rules = {"": Replicate()}
+        for coll in self._collections:
+            for t in coll.plan.dp_tables:
+                rules[f"{coll.layout.fqns[0]}.embedding_bags.{t.name}"] = Replicate()
+        return rules
 
     def forward(self, *args, **kwargs) -> Any:
         _state.check_inputs(args, kwargs)
