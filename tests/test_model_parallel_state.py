@@ -26,6 +26,12 @@ def test_dcp_reloads_under_another_plan(saved):
     assert r["dcp"]["reshard_diff"] == 0.0 and r["dcp"]["next_loss_diff"] == 0.0, r["dcp"]
 
 
+def test_fused_optimizer_state_resumes(saved):
+    _, r = saved
+    assert r["dcp"]["optim_entries"] == 4  # the four fused tables (the fifth is data-parallel)
+    assert r["dcp"]["optim_resume_diff"] == 0.0, r["dcp"]
+
+
 @pytest.mark.parametrize("world", [1, 4])
 def test_dcp_reloads_on_another_world_size(saved, world):
     d, _ = saved

@@ -30,6 +30,24 @@ class FusedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None
 
+    def state_dict(self) -> dict:
+        """``{"state": {table weight FQN: {"momentum1": DTensor}}, "param_groups": [...]}``: the
+        tables' optimizer state laid out like the tables (``torch.distributed.checkpoint`` saves it)."""
+        from graphshard.model_parallel._tables import optimizer_entries
+
+        state: dict = {}
+        for c in self._collections:
+            state.update(optimizer_entries(c))
+        return {"state": state, "param_groups": [{"lr": g["lr"], "module": g["module"]} for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        from graphshard.model_parallel._tables import load_optimizer_entries
+
+        for c in self._collections:
+            load_optimizer_entries(c, state_dict["state"])
+        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
+            group["lr"] = saved["lr"]
+
     def __repr__(self) -> str:
         return f"FusedOptimizer({[c.layout.fqns[0] for c in self._collections]})"
 

@@ -101,3 +101,60 @@ def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
             with torch.no_grad():
                 for s, piece in coll.local_pieces(t.name):
                     piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+
+
+def _state_layout(coll, table: str, ranks, placements):
+    """A table's fused optimizer state as a DTensor: row-wise Adagrad keeps one value per row (per
+    row and column block for a column-wise table: ``[rows, blocks]``, ``Shard(1)``), Adagrad one per
+    element (the table's layout); SGD none."""
+    t = coll.table(table)
+    kind = coll.fused()[0].optimizer if coll.fused() else None
+    pieces = coll.local_state(table)
+    local = pieces[0][1] if pieces else None
+    if kind == "rowwise_adagrad":
+        if t.sharding_type == "column_wise":
+            blocks = len(t.shards)
+            shape, local = (t.num_embeddings, blocks), (local.view(-1, 1) if local is not None else torch.empty(0, 0))
+        else:
+            shape, local = (t.num_embeddings,), (local if local is not None else torch.empty(0))
+    else:
+        shape, local = (t.num_embeddings, t.embedding_dim), (local if local is not None else torch.empty(0, t.embedding_dim))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, _mesh("cpu", ranks), placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def optimizer_entries(coll) -> dict[str, dict]:
+    """``{table weight FQN: {"momentum1": DTensor}}`` for this collection's fused tables (none for SGD)."""
+    if not coll.fused() or coll.fused()[0].optimizer == "sgd":
+        return {}
+    fqn = coll.layout.fqns[0]
+    return {f"{fqn + '.' if fqn else ''}embedding_bags.{name}.weight": {"momentum1": _state_layout(coll, name, ranks, pl)}
+            for name, (ranks, pl) in _meshes(coll).items()}
+
+
+def load_optimizer_entries(coll, state: dict) -> None:
+    """Copies each table's saved optimizer state (a DTensor as ``optimizer_entries`` gives, or a full
+    tensor) into this rank's pieces."""
+    kind = coll.fused()[0].optimizer if coll.fused() else None
+    fqn = coll.layout.fqns[0]
+    for t in coll.layout.tables:
+        if not t.fused or kind in (None, "sgd"):
+            continue
+        key = f"{fqn + '.' if fqn else ''}embedding_bags.{t.name}.weight"
+        if key not in state:
+            raise ValueError(f"the fused optimizer state has no entry for {key!r}; it has {sorted(state)}")
+        value = state[key]["momentum1"]
+        if isinstance(value, DTensor):
+            if value.device_mesh.get_coordinate() is None:
+                continue
+            value = value.full_tensor()
+        blocks = sorted(s.col_offset for s in t.shards)
+        with torch.no_grad():
+            for s, piece in coll.local_state(t.name):
+                if kind == "rowwise_adagrad" and t.sharding_type == "column_wise":
+                    piece.copy_(value[:, blocks.index(s.col_offset)])
+                elif kind == "rowwise_adagrad":
+                    piece.copy_(value[s.row_offset:s.row_offset + s.rows])
+                else:
+                    piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])

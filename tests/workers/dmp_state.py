@@ -4,7 +4,8 @@
   its state dict with ``torch.distributed.checkpoint`` to DIR/dcp (rank 0 also writes the full
   tensors to DIR/full.pt); a fresh DMP under plan B (every table under another sharding type
   or rank) loads it: its tables and dense parameters must equal the saved ones, and one more
-  step of both gives the same loss.
+  step of both gives the same loss. A fresh DMP under plan A that also loads the fused
+  optimizer's state (row-wise Adagrad's per-row sums) takes exactly the same next step.
 - ``load_other_world``: run after ``dcp`` on another world size: DIR/dcp loads into a DMP there.
 - ``interchange``: TorchRec's DMP (plan A) trains two steps; its state dict (ShardedTensor
   tables) loads into graphshard's DMP with ``load_state_dict``; graphshard's state saved with
@@ -90,9 +91,20 @@ def run(case: str) -> dict:
         dcp.load(state, checkpoint_id=path)
         other.load_state_dict(state)
         loaded = _full_state(other)
+        # the same plan, with the fused optimizer's state: the next step is the same step
+        full_path = os.path.join(out_dir, "dcp_with_optim")
+        dcp.save({"model": gs.state_dict(), "optim": gs.fused_optimizer.state_dict()}, checkpoint_id=full_path)
+        same = _gs(common.build(MODEL), plan_a, world)
+        both = {"model": same.state_dict(), "optim": same.fused_optimizer.state_dict()}
+        dcp.load(both, checkpoint_id=full_path)
+        same.load_state_dict(both["model"])
+        same.fused_optimizer.load_state_dict(both["optim"])
         next_a = common._train(gs, MODEL, range(2, 3), rank, world)
         next_b = common._train(other, MODEL, range(2, 3), rank, world)
+        next_c = common._train(same, MODEL, range(2, 3), rank, world)
         return {"case": case, "reshard_diff": _diff(loaded, saved), "next_loss_diff": abs(next_a[0] - next_b[0]),
+                "optim_resume_diff": _diff(_full_state(same), _full_state(gs)),
+                "optim_entries": len(gs.fused_optimizer.state_dict()["state"]),
                 "trained": max(float((saved[k] - v).abs().max()) for k, v in base.state_dict().items())}
     if case == "load_other_world":  # the 2-rank "dcp" checkpoint, on this world size, plan A
         saved = torch.load(os.path.join(out_dir, "full.pt"))
