@@ -2,7 +2,7 @@
 (tests/workers/dmp.py).
 
 TorchRec's DLRM (five tables: table-wise, table-wise with mean pooling, row-wise, column-wise,
-data-parallel) and a two-tower model holding one ``EmbeddingBagCollection`` under two FQNs
+data-parallel; on 4 ranks as 2 hosts x 2: table-row-wise on each host) and a two-tower model holding one ``EmbeddingBagCollection`` under two FQNs
 train on 2 gloo ranks with graphshard's DMP, with TorchRec's (same plan, same fused
 optimizer, same initial weights) and unwrapped in one process on the global batch: losses and
 every table and dense parameter (read back through ``state_dict()``) must match the single
@@ -17,7 +17,9 @@ from _launch import torchrun
 
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad"]
-TORCHREC_WRONG = {"twotower:rowwise_adagrad"}
+FOUR_RANK = ["dlrm4:rowwise_adagrad"]
+"""4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
+TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad"}
 """TorchRec (1.9.2) shards a module reachable under two FQNs per FQN and applies the fused
 update once per use: row-wise Adagrad then accumulates its state twice a step, and the tables
 train ~9e-2 away from the single process (it logs "Module item.ebc is already in cache").
@@ -26,10 +28,12 @@ graphshard merges the two uses into one lookup and one update."""
 
 @pytest.fixture(scope="module")
 def results():
-    return {r["case"]: r for r in torchrun("dmp.py", CASES, nproc=2)}
+    out = {r["case"]: r for r in torchrun("dmp.py", CASES, nproc=2)}
+    out.update({r["case"]: r for r in torchrun("dmp.py", FOUR_RANK, nproc=4)})
+    return out
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + FOUR_RANK)
 def test_graphshard_matches_single_process(results, case):
     r = results[case]
     assert r["keys_graphshard"] == r["keys_reference"]
@@ -40,7 +44,7 @@ def test_graphshard_matches_single_process(results, case):
     assert all(r["moved"][t] > 1e-4 for t in r["tables"]), {t: r["moved"][t] for t in r["tables"]}  # every table trained
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + FOUR_RANK)
 def test_torchrec_same_program(results, case):
     r = results[case]
     assert r["keys_torchrec"] == r["keys_reference"]

@@ -24,6 +24,7 @@ from torchrec.distributed.sharding_plan import (  # noqa: E402
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
+    table_row_wise,
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan  # noqa: E402
@@ -72,7 +73,12 @@ def after_pass(tables, sharding, upto="shard_embeddings"):
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
     g = run_passes(prepared.graph, prepared.ctx, passes[: names.index(upto) + 1])
-    return render(g, gs_plan), prepared.ctx.report
+    text = render(g, gs_plan)
+    layout = dmp._collections[0].layout
+    for group, name in ((layout.host_group, "host"), (layout.cross_group, "cross")):
+        if group is not None:
+            text = text.replace(f"'{group}'", f"'{name}'")
+    return text, prepared.ctx.report
 
 
 def T(name, features, rows=8, dim=4, pooling=PoolingType.SUM):
@@ -296,4 +302,94 @@ class <lambda>(torch.nn.Module):
         transpose: "f32[2, 1, 4]" = torch.ops.aten.transpose.int(view_2, 0, 1);  view_2 = None
         view_3: "f32[2, 4]" = torch.ops.aten.view.default(transpose, [2, 4]);  transpose = None
         return (view_3,)
+""")
+
+    def test_table_row_wise(self):
+        # 4 ranks as 2 hosts x 2: the ids go to the table's host, bucketized by row block among its
+        # ranks (one all-to-all over the world); the partial sums are reduce-scattered within the
+        # host ('host' group) and sent across hosts ('cross' group, the ranks with this local index)
+        import os
+
+        os.environ["LOCAL_WORLD_SIZE"] = "2"
+        try:
+            def fused(host):
+                def make(*args, **kwargs):
+                    ps = table_row_wise(host_index=host)(*args, **kwargs)
+                    ps.compute_kernel = FUSED
+                    return ps
+                return make
+
+            text, report = after_pass([T("a", ["f0"], rows=10), T("b", ["f1"], rows=6)], {"a": fused(0), "b": fused(1)})
+        finally:
+            del os.environ["LOCAL_WORLD_SIZE"]
+        self.assertIn("ebc: table_row_wise a@0,1 b@2,3", report.sparse[0])
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[20]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[4]", arg5_1: "i64[6]"):
+        _sparse_twrw_weights_offsets: "i64[1]" = self._sparse_twrw_weights_offsets
+        _sparse_twrw_d_offsets: "i32[2]" = self._sparse_twrw_D_offsets
+        _sparse_twrw_hash_size_cumsum: "i64[2]" = self._sparse_twrw_hash_size_cumsum
+        _sparse_twrw_momentum_offsets: "i64[1]" = self._sparse_twrw_momentum_offsets
+        _sparse_twrw_rows: "i64[1]" = self._sparse_twrw_rows
+        view: "i64[2, 2]" = torch.ops.aten.view.default(arg4_1, [2, 2])
+        check_ids: "i64[6]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [10, 6], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'b')");  arg5_1 = arg4_1 = None
+        _sparse_const: "i64[2]" = self._sparse_const
+        lift_fresh_copy: "i64[2]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        view_1: "i64[4]" = torch.ops.aten.view.default(view, [-1]);  view = None
+        block_bucketize_sparse_features = torch.ops.fbgemm.block_bucketize_sparse_features.default(view_1, check_ids, False, False, lift_fresh_copy, 2);  view_1 = check_ids = lift_fresh_copy = None
+        getitem: "i64[8]" = block_bucketize_sparse_features[0]
+        getitem_1: "i64[6]" = block_bucketize_sparse_features[1];  block_bucketize_sparse_features = None
+        view_2: "i64[4, 2]" = torch.ops.aten.view.default(getitem, [4, 2]);  getitem = None
+        _sparse_const_1: "i32[4]" = self._sparse_const_1
+        lift_fresh_copy_1: "i32[4]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        permute_2d_sparse_data = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy_1, view_2, getitem_1);  lift_fresh_copy_1 = view_2 = getitem_1 = None
+        getitem_5: "i64[4, 2]" = permute_2d_sparse_data[0]
+        getitem_6: "i64[u0]" = permute_2d_sparse_data[1];  permute_2d_sparse_data = None
+        view_3: "i64[8]" = torch.ops.aten.view.default(getitem_5, [-1])
+        _sparse_const_2: "i64[4]" = self._sparse_const_2
+        lift_fresh_copy_2: "i64[4]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_2);  _sparse_const_2 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[4]" = torch.ops.aten.sum.dim_IntList(getitem_5, [1]);  getitem_5 = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_2, sum_1);  zeros = lift_fresh_copy_2 = sum_1 = None
+        all_to_all: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_3, [2, 2, 2, 2], [2, 2, 2, 2], 'dp');  view_3 = None
+        view_4: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_4, [1]);  view_4 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_8: "i64[]" = unbind[0]
+        getitem_9: "i64[]" = unbind[1]
+        getitem_10: "i64[]" = unbind[2]
+        getitem_11: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        _local_scalar_dense_1: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_2: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        _local_scalar_dense_3: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_11);  getitem_11 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_12: "i64[]" = unbind_1[0]
+        getitem_13: "i64[]" = unbind_1[1]
+        getitem_14: "i64[]" = unbind_1[2]
+        getitem_15: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_12);  getitem_12 = None
+        _local_scalar_dense_5: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_13);  getitem_13 = None
+        _local_scalar_dense_6: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_14);  getitem_14 = None
+        _local_scalar_dense_7: "Sym(u8)" = torch.ops.aten._local_scalar_dense.default(getitem_15);  getitem_15 = None
+        all_to_all_1: "i64[u5 + u6 + u7 + u8]" = torch.ops.graphshard.all_to_all.default(getitem_6, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  getitem_6 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_5: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2]);  all_to_all = None
+        view_6: "i64[8]" = torch.ops.aten.view.default(view_5, [-1]);  view_5 = None
+        asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_6);  view_6 = None
+        tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_twrw_weights_offsets, _sparse_twrw_d_offsets, _sparse_twrw_hash_size_cumsum, _sparse_twrw_momentum_offsets, _sparse_twrw_rows, all_to_all_1, asynchronous_complete_cumsum, None, 4, 4, 3, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')", [0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_twrw_weights_offsets = _sparse_twrw_d_offsets = _sparse_twrw_hash_size_cumsum = _sparse_twrw_momentum_offsets = _sparse_twrw_rows = all_to_all_1 = asynchronous_complete_cumsum = None
+        view_7: "f32[4, 2, 4]" = torch.ops.aten.view.default(tbe_lookup, [4, 2, 4]);  tbe_lookup = None
+        _sparse_const_3: "i64[4]" = self._sparse_const_3
+        lift_fresh_copy_3: "i64[4]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_3);  _sparse_const_3 = None
+        index_select: "f32[4, 2, 4]" = torch.ops.aten.index_select.default(view_7, 0, lift_fresh_copy_3);  view_7 = lift_fresh_copy_3 = None
+        view_8: "f32[8, 4]" = torch.ops.aten.view.default(index_select, [8, 4]);  index_select = None
+        reduce_scatter: "f32[4, 4]" = torch.ops.graphshard.reduce_scatter.default(view_8, 0, 'host', 2, 0);  view_8 = None
+        view_9: "f32[16]" = torch.ops.aten.view.default(reduce_scatter, [-1]);  reduce_scatter = None
+        all_to_all_2: "f32[16]" = torch.ops.graphshard.all_to_all.default(view_9, [8, 8], [8, 8], 'cross');  view_9 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(all_to_all_2, [8, 8]);  all_to_all_2 = None
+        getitem_16: "f32[8]" = split_with_sizes[0]
+        getitem_17: "f32[8]" = split_with_sizes[1];  split_with_sizes = None
+        view_10: "f32[2, 4]" = torch.ops.aten.view.default(getitem_16, [2, 4]);  getitem_16 = None
+        view_11: "f32[2, 4]" = torch.ops.aten.view.default(getitem_17, [2, 4]);  getitem_17 = None
+        cat: "f32[2, 8]" = torch.ops.aten.cat.default([view_10, view_11], 1);  view_10 = view_11 = None
+        return (cat,)
 """)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Iterator
 
 import torch
@@ -79,6 +80,7 @@ class DistributedModelParallel(nn.Module):
                 )
         self._plan = plan
         group = self._env.process_group.group_name
+        hosts = self._host_groups(plan, world)
         self._sharded: list[_plan.Sharded] = []
         self._collections = []
         for mod, fqns in found.values():
@@ -89,13 +91,27 @@ class DistributedModelParallel(nn.Module):
             sharder = self._sharder_for(mod)
             fused = _plan.fused_params_of(mod, fqns[0], sharder)
             layout = collection_layout(mod, tuple(fqns), mp, world=world, rank=rank, group=group,
-                                       key=new_key(fqns[0]))
+                                       key=new_key(fqns[0]), hosts=hosts)
             self._collections.append(install(mod, layout, fused))
             self._sharded.append(_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
         self._optim = _state.FusedOptimizer(self._collections)
         self._ddp_wrapped = False
         if init_data_parallel:
             self.init_data_parallel()
+
+    def _host_groups(self, plan, world: int):
+        """For table-row-wise tables: ranks per host (``LOCAL_WORLD_SIZE``, as TorchRec reads it) and
+        the c10d groups of a host's ranks and of the ranks sharing a local index (a 2-D mesh)."""
+        if not any(str(ps.sharding_type) == "table_row_wise" for mp in plan.plan.values() for ps in mp.values()):
+            return None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % local:
+            raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world}")
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh(self.device.type, torch.arange(world).view(world // local, local),
+                          mesh_dim_names=("host", "local"))
+        return local, mesh.get_group("local").group_name, mesh.get_group("host").group_name
 
     def _sharder_for(self, mod: nn.Module):
         for s in self._sharders:

@@ -1,6 +1,7 @@
 """Sharded tables in the state dict: each fused table as a DTensor over the ranks that hold it.
 
 - row-wise: ``Shard(0)`` over the whole mesh (TorchRec's row blocks are torch.chunk's pieces);
+- table-row-wise: ``Shard(0)`` over the mesh of its host's ranks;
 - column-wise: ``Shard(1)`` over the mesh of the ranks that hold the column blocks, in column
   order (equal blocks; a rank holds one block);
 - table-wise: ``Replicate()`` over a one-rank mesh: the owner's whole table.
@@ -34,6 +35,8 @@ def _meshes(coll):
     for t in coll.layout.tables:
         if t.sharding_type == "row_wise":
             out[t.name] = (tuple(range(world)), [Shard(0)])
+        elif t.sharding_type == "table_row_wise":
+            out[t.name] = (tuple(s.rank for s in sorted(t.shards, key=lambda s: s.row_offset)), [Shard(0)])
         elif t.sharding_type == "table_wise":
             out[t.name] = ((t.shards[0].rank,), [Replicate()])
         elif t.sharding_type == "column_wise":

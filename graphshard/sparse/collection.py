@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.program import LocalPlan, local_plan, permute_features, permute_rows, sharded_lookup
+from graphshard.sparse.program import GROUPS, LocalPlan, local_plan, permute_features, permute_rows, sharded_lookup
 
 _COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -69,11 +69,15 @@ class SparseCollection:
         self.tbes = nn.ModuleDict()
         self.pieces: dict[str, list[tuple[TableShard, str, int]]] = {}  # table -> (shard, tbe name, table index)
         rank = layout.rank
+        twrw_here = [self.plan.twrw_features[i][0] for i in (self.plan.twrw_by_host[rank // layout.local_world]
+                                                             if self.plan.twrw_features else [])]
         groups = {
             "a2a": self._distinct([(s.table, s.shard) for s in self.plan.a2a_slots[rank]]),
             "rw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables([t for t, _ in self.plan.rw_features])],
+            "twrw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables(twrw_here)],
         }
-        present = {"a2a": any(self.plan.a2a_slots), "rw": bool(self.plan.rw_features)}
+        present = {"a2a": any(self.plan.a2a_slots), "rw": bool(self.plan.rw_features),
+                   "twrw": bool(self.plan.twrw_features)}
         for name, shards in groups.items():
             if not shards:
                 if present[name]:  # the group's collectives run on every rank, this one's lookup is empty
@@ -112,7 +116,7 @@ class SparseCollection:
     # ---- what the program reads ----
     def state_tensors(self) -> list[torch.Tensor]:
         out = []
-        for name in ("a2a", "rw"):
+        for name in GROUPS:
             if name in self.tbes:
                 tbe = self.tbes[name]
                 out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]

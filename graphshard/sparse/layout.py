@@ -7,6 +7,8 @@ shards (a rank, a block of rows, a block of columns):
 - ``table_wise``: one shard, the whole table, on one rank;
 - ``column_wise``: shards of whole rows and a block of columns each, on any ranks;
 - ``row_wise``: one block of rows per rank (``ceil(rows / world)`` each, the last one shorter);
+- ``table_row_wise``: the ranks are hosts of ``local_world`` ranks; the table lives on one
+  host, one block of rows per rank of that host (``ceil(rows / local_world)`` each);
 - ``data_parallel``: the table replicated, looked up locally, its gradient averaged.
 
 The layout is the only place these facts live; the sharded program (``program.py``) and the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "data_parallel")
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class TableLayout:
         """Looked up by a fused TBE (a sharded table); data-parallel tables are dense parameters."""
         return self.sharding_type != "data_parallel"
 
-    def check(self, world: int) -> None:
+    def check(self, world: int, local_world: int | None = None) -> None:
         where = f"table {self.name!r}"
         if self.sharding_type not in SHARDING_TYPES:
             raise NotImplementedError(
@@ -69,18 +71,25 @@ class TableLayout:
                     f"{where}: column-wise shards {[(o, n) for o, n in cols]} do not tile the embedding dim "
                     f"{self.embedding_dim}; the column split must divide the dim into whole blocks"
                 )
-        if self.sharding_type == "row_wise":
-            ranks = sorted(s.rank for s in self.shards)
-            if ranks != list(range(world)):
+        if self.sharding_type in ("row_wise", "table_row_wise"):
+            ranks = [s.rank for s in sorted(self.shards, key=lambda s: s.row_offset)]
+            if self.sharding_type == "row_wise" and ranks != list(range(world)):
                 raise NotImplementedError(
-                    f"{where}: row-wise sharding needs one row block on every rank, got ranks {ranks}"
+                    f"{where}: row-wise sharding needs row block i on rank i for every rank, got ranks {ranks}"
                 )
+            if self.sharding_type == "table_row_wise":
+                host = ranks[0] // local_world if local_world else 0
+                if not local_world or ranks != list(range(host * local_world, (host + 1) * local_world)):
+                    raise NotImplementedError(
+                        f"{where}: table-row-wise sharding needs row block i on local rank i of one host "
+                        f"({local_world} ranks per host, LOCAL_WORLD_SIZE), got ranks {ranks}"
+                    )
             block = self.row_block
             for i, s in enumerate(sorted(self.shards, key=lambda s: s.row_offset)):
                 want = min(block, self.num_embeddings - i * block)
                 if s.row_offset != i * block or s.rows != want or want <= 0:
                     raise NotImplementedError(
-                        f"{where}: row-wise shards must be blocks of ceil(rows / world) = {block} rows in order "
+                        f"{where}: row-wise shards must be blocks of ceil(rows / ranks) = {block} rows in order "
                         f"(the last one shorter, none empty); got rows {s.row_offset}..{s.row_offset + s.rows - 1} "
                         f"as block {i}"
                     )
@@ -88,6 +97,10 @@ class TableLayout:
     @property
     def row_block(self) -> int:
         return max(s.rows for s in self.shards)
+
+    def host(self, local_world: int) -> int:
+        """The host a table-row-wise table lives on."""
+        return self.shards[0].rank // local_world
 
     def shard_on(self, rank: int) -> list[TableShard]:
         return [s for s in self.shards if s.rank == rank]
@@ -104,6 +117,13 @@ class CollectionLayout:
     world: int
     rank: int
     group: str
+    local_world: int | None = None  # ranks per host (table-row-wise)
+    host_group: str | None = None   # c10d group of this rank's host (table-row-wise: reduce-scatter)
+    cross_group: str | None = None  # c10d group of the ranks with this rank's local index (table-row-wise: all-to-all)
+
+    @property
+    def hosts(self) -> int:
+        return self.world // (self.local_world or self.world)
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -124,7 +144,7 @@ class CollectionLayout:
     def check(self) -> None:
         seen: dict[str, str] = {}
         for t in self.tables:
-            t.check(self.world)
+            t.check(self.world, self.local_world)
             for f in t.features:
                 if f in seen:
                     raise ValueError(

@@ -53,6 +53,8 @@ class LocalPlan:
     a2a_slots: list[list[Slot]]          # per rank: the table-/column-wise lookups it does, in TBE order
     rw_features: list[tuple[TableLayout, str]]  # row-wise (table, feature), the same order on every rank
     dp_tables: list[TableLayout]
+    twrw_features: list[tuple[TableLayout, str]] = field(default_factory=list)  # table-row-wise, table order
+    twrw_by_host: list[list[int]] = field(default_factory=list)  # per host: positions in twrw_features
     columns: list[int] = field(default_factory=list)  # output column -> position in the concatenated parts
 
 
@@ -66,6 +68,9 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     a2a_slots = [[Slot(t, s, f) for t, s in shards for f in t.features] for shards in a2a]
     rw = [(t, f) for t in layout.tables if t.sharding_type == "row_wise" for f in t.features]
     dp = [t for t in layout.tables if t.sharding_type == "data_parallel"]
+    twrw = [(t, f) for t in layout.tables if t.sharding_type == "table_row_wise" for f in t.features]
+    by_host = [[i for i, (t, _) in enumerate(twrw) if t.host(layout.local_world) == h] for h in range(layout.hosts)] \
+        if twrw else []
 
     start, at = {}, 0  # where each feature's columns start in the output
     for t in layout.tables:
@@ -78,6 +83,10 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
             pos.extend(range(start[s.feature] + s.shard.col_offset, start[s.feature] + s.shard.col_offset + s.shard.cols))
     for t, f in rw:
         pos.extend(range(start[f], start[f] + t.embedding_dim))
+    for host in by_host:
+        for i in host:
+            t, f = twrw[i]
+            pos.extend(range(start[f], start[f] + t.embedding_dim))
     for t in dp:
         for f in t.features:
             pos.extend(range(start[f], start[f] + t.embedding_dim))
@@ -85,7 +94,7 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     columns = [0] * len(pos)
     for i, c in enumerate(pos):
         columns[c] = i
-    return LocalPlan(a2a_slots, rw, dp, columns)
+    return LocalPlan(a2a_slots, rw, dp, twrw_features=twrw, twrw_by_host=by_host, columns=columns)
 
 
 def permute_features(values, lengths, weights, keys: list[str], features: list[str]):
@@ -137,6 +146,45 @@ def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dt
     return tbe.lookup_with(token, w, momentum, lr, values, offsets, weights, constants)
 
 
+GROUPS = ("a2a", "rw", "twrw")
+"""The lookup groups, in state order: table- and column-wise, row-wise, table-row-wise."""
+
+
+def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values, weights, batch, dtype):
+    """Table-row-wise: each feature's ids bucketized by row block within its table's host and sent
+    to that host's ranks (one all-to-all over the world); each rank sums its blocks' rows; the
+    partial sums are reduce-scattered within the host (each local rank gets the rows of the
+    samples of the ranks with its local index) and sent across hosts by an all-to-all among the
+    ranks with the same local index."""
+    world, local, hosts = layout.world, layout.local_world, layout.hosts
+    feats = plan.twrw_features
+    n = len(feats)
+    l2d, v, w = permute_rows([kpos[f] for _, f in feats], lengths2d, values, weights)
+    blocks = torch.tensor([t.row_block for t, _ in feats], dtype=l2d.dtype, device=l2d.device)
+    bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(l2d.reshape(-1), v, False, False, blocks,
+                                                                        local, w)
+    # to rank (host h, local index l): bucket l of the features whose table lives on host h
+    send_rows = [d % local * n + i for d in range(world) for i in plan.twrw_by_host[d // local]]
+    sl, sv, sw = permute_rows(send_rows, bl.view(local * n, batch), bv, bw)
+    send = [len(plan.twrw_by_host[d // local]) for d in range(world)]
+    my_host, my_local = divmod(layout.rank, local)
+    mine = len(plan.twrw_by_host[my_host])
+    rl, rv, rw = _exchange(sl, sv, sw, send, mine, batch, layout.group, world)
+    partial = _lookup(tbe, state, constants, rl, rv, rw, world * batch, dtype)  # rows: source rank, then sample
+    width = partial.shape[1]
+    # rows grouped by the sources' local index, so the host's reduce-scatter hands local rank l
+    # the sums for the sources (h', l) of every host h'
+    order = [h * local + li for li in range(local) for h in range(hosts)]
+    if order != list(range(world)):
+        partial = partial.view(world, batch, width).index_select(
+            0, torch.tensor(order, dtype=torch.int64, device=partial.device)).reshape(world * batch, width)
+    summed = ops.reduce_scatter(partial, 0, layout.host_group, local, my_local)  # [hosts * batch, width]
+    widths = [sum(feats[i][0].embedding_dim for i in plan.twrw_by_host[h]) for h in range(hosts)]
+    back = ops.all_to_all(summed.reshape(-1), [batch * wd for wd in widths], [batch * width] * hosts,
+                          layout.cross_group)
+    return [b.view(batch, wd) for b, wd in zip(back.split([batch * wd for wd in widths]), widths) if wd]
+
+
 def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: list[str],
                    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
                    state: list[torch.Tensor], dtype: torch.dtype, constants: dict | None = None,
@@ -162,11 +210,11 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     parts = []
     at = 0
 
-    a2a_state = rw_state = None
-    if "a2a" in tbes:
-        a2a_state, at = state[at:at + 4], at + 4
-    if "rw" in tbes:
-        rw_state, at = state[at:at + 4], at + 4
+    group_state = {}
+    for name in GROUPS:
+        if name in tbes:
+            group_state[name], at = state[at:at + 4], at + 4
+    a2a_state, rw_state = group_state.get("a2a"), group_state.get("rw")
     dp_weights = state[at:]
 
     if any(plan.a2a_slots):
@@ -189,6 +237,10 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
         rl, rv, rw = _exchange(bl.view(world * n, batch), bv, bw, [n] * world, n, batch, group, world)
         partial = _lookup(tbes["rw"], rw_state, constants.get("rw"), rl, rv, rw, world * batch, dtype)
         parts.append(ops.reduce_scatter(partial, 0, group, world, rank))
+
+    if plan.twrw_features:
+        parts.extend(_table_row_wise(layout, plan, tbes["twrw"], group_state["twrw"], constants.get("twrw"), kpos,
+                                     lengths2d, values, weights, batch, dtype))
 
     for t, weight in zip(plan.dp_tables, dp_weights):
         rows = [kpos[f] for f in t.features]

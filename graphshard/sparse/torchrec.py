@@ -20,6 +20,7 @@ import torch.nn as nn
 from graphshard.sparse.collection import SparseCollection
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.sparse.program import GROUPS
 
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
 
@@ -30,7 +31,7 @@ def table_configs(module: nn.Module) -> list:
 
 
 def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dict, *, world: int, rank: int,
-                      group: str, key: str) -> CollectionLayout:
+                      group: str, key: str, hosts: tuple | None = None) -> CollectionLayout:
     """``module_plan``: table name -> TorchRec ``ParameterSharding``. Every table needs an entry."""
     configs = table_configs(module)
     names = [c.name for c in configs]
@@ -72,8 +73,10 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
                 "does not run yet"
             )
         tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
+    local_world, host_group, cross_group = hosts or (None, None, None)
     return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables), weighted=bool(module.is_weighted()),
-                            world=world, rank=rank, group=group)
+                            world=world, rank=rank, group=group, local_world=local_world, host_group=host_group,
+                            cross_group=cross_group)
 
 
 def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
@@ -117,7 +120,7 @@ def _forward(self, features):
 def _state(module: nn.Module, coll: SparseCollection) -> list[torch.Tensor]:
     """The program's state read through the module (so dynamo sees module buffers and parameters)."""
     out = []
-    for name in ("a2a", "rw"):
+    for name in GROUPS:
         if name in module._graphshard_tbes:
             tbe = module._graphshard_tbes[name]
             out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]

@@ -1,7 +1,9 @@
 """DistributedModelParallel parity worker: ``torchrun --nproc-per-node N tests/workers/dmp.py CASE [CASE ...]``.
 
 Each CASE is ``model:optimizer``: ``model`` dlrm (TorchRec's ``torchrec.models.dlrm.DLRM``, five
-tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel) or
+tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel), dlrm4
+(4 ranks as 2 hosts x 2: table-row-wise on each host, one with mean pooling, table-wise,
+row-wise, data-parallel) or
 twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
 row-wise tables); ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad.
 
@@ -17,6 +19,7 @@ and parameter differences of each against the single process and of the two agai
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -42,6 +45,15 @@ def _trec():
 
 def _tables(model: str):
     EmbeddingBagConfig, PoolingType, _ = _trec()
+    if model == "dlrm4":
+        return [
+            EmbeddingBagConfig(name="t_twrw0", embedding_dim=DIM, num_embeddings=45, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t_twrw1", embedding_dim=DIM, num_embeddings=33, feature_names=["f2"],
+                               pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=30, feature_names=["f3"]),
+            EmbeddingBagConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f4"]),
+            EmbeddingBagConfig(name="t_dp", embedding_dim=DIM, num_embeddings=12, feature_names=["f5"]),
+        ]
     if model == "dlrm":
         return [
             EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0", "f1"]),
@@ -58,14 +70,27 @@ def _tables(model: str):
 
 
 def _sharding(model: str, world: int) -> dict:
-    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_row_wise, table_wise
 
     fused = "fused"  # TorchRec's helpers default to the dense kernel on the CPU (no fused optimizer)
+    if model == "dlrm4":  # 4 ranks as 2 hosts x 2 (LOCAL_WORLD_SIZE=2)
+        return {"t_twrw0": _fused_kernel(table_row_wise(host_index=0)), "t_twrw1": _fused_kernel(table_row_wise(host_index=1)),
+                "t_tw": table_wise(rank=3, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
+                "t_dp": data_parallel()}
     if model == "dlrm":
         return {"t_tw": table_wise(rank=0, compute_kernel=fused), "t_mean": table_wise(rank=world - 1, compute_kernel=fused),
                 "t_rw": row_wise(compute_kernel=fused), "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused),
                 "t_dp": data_parallel()}
     return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused)}
+
+
+def _fused_kernel(generator):
+    """TorchRec's ``table_row_wise`` helper takes no compute kernel (the CPU default is dense)."""
+    def make(*args, **kwargs):
+        ps = generator(*args, **kwargs)
+        ps.compute_kernel = "fused"
+        return ps
+    return make
 
 
 class Tower(nn.Module):
@@ -93,7 +118,7 @@ def build(model: str) -> nn.Module:
     torch.manual_seed(0)
     tables = _tables(model)
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
-    if model == "dlrm":
+    if model in ("dlrm", "dlrm4"):
         from torchrec.models.dlrm import DLRM
 
         return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, DIM],
@@ -120,7 +145,7 @@ def _kjt(model: str, gen: torch.Generator):
 def batch(model: str, step: int, rank: int):
     gen = torch.Generator().manual_seed(1000 * step + rank)
     labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
-    if model == "dlrm":
+    if model in ("dlrm", "dlrm4"):
         return (torch.randn(BATCH, DENSE_IN, generator=gen), _kjt(model, gen)), labels
     return (_kjt(model, gen), _kjt(model, gen)), labels
 
@@ -141,14 +166,15 @@ def _plan(model: str, module: nn.Module, world: int):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
 
-    ebc = module.sparse_arch.embedding_bag_collection if model == "dlrm" else module.query.ebc
-    fqn = "sparse_arch.embedding_bag_collection" if model == "dlrm" else "query.ebc"
+    dlrm = model in ("dlrm", "dlrm4")
+    ebc = module.sparse_arch.embedding_bag_collection if dlrm else module.query.ebc
+    fqn = "sparse_arch.embedding_bag_collection" if dlrm else "query.ebc"
     return ShardingPlan({fqn: construct_module_sharding_plan(ebc, per_param_sharding=_sharding(model, world),
                                                              world_size=world, device_type="cpu")})
 
 
 def _table_fqns(model: str) -> list[str]:
-    base = "sparse_arch.embedding_bag_collection" if model == "dlrm" else "query.ebc"
+    base = "sparse_arch.embedding_bag_collection" if model in ("dlrm", "dlrm4") else "query.ebc"
     return [f"{base}.embedding_bags.{t.name}.weight" for t in _tables(model)]
 
 
@@ -245,6 +271,8 @@ def _train(dmp, model: str, step_range, rank: int, world: int) -> list[float]:
 def run(case: str) -> dict:
     model, optimizer = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if model == "dlrm4":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 hosts x 2 ranks (TorchRec and graphshard read it)
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel as TorchRecDMP
     from torchrec.distributed.types import ShardingEnv
