@@ -99,9 +99,32 @@ class StridedShard:
     split_factor: int
 
 
+@dataclass(frozen=True)
+class ShardEmbedding:
+    """Shards an ``nn.EmbeddingBag``'s table like TorchRec's sharding types, with a fused optimizer.
+
+    ``ShardEmbedding("row_wise")``: ``sharding_type`` is ``"table_wise"`` (the whole table on
+    ``ranks[0]``, default rank 0), ``"row_wise"`` (a block of rows per rank), ``"column_wise"``
+    (equal column blocks on ``ranks``, default every rank) or ``"data_parallel"`` (replicated, a
+    dense parameter the plan's unit specs handle). Ranks count along ``mesh_axis`` (default the
+    plan's data-parallel axis), whose ranks each feed their own batch. The lookup's ids go to the
+    owners and the pooled rows come back as graph collectives (the ``shard_embeddings`` pass);
+    the table is updated in its backward by fbgemm's fused ``optimizer`` (``"sgd"``,
+    ``"adagrad"``, ``"rowwise_adagrad"``) with ``learning_rate`` and ``eps``, on the global
+    batch's mean gradient; its weight stays readable in ``state_dict()`` as a DTensor.
+    """
+
+    sharding_type: str = "table_wise"
+    ranks: tuple[int, ...] | None = None
+    mesh_axis: str | None = None
+    optimizer: str = "sgd"
+    learning_rate: float = 0.01
+    eps: float = 1e-8
+
+
 UnitSpec = Union[FullyShard, Replicate]
-Spec = Union[FullyShard, Replicate, ShardParams, ParallelStyle]
-_SPEC_TYPES = (FullyShard, Replicate, ShardParams, ParallelStyle)
+Spec = Union[FullyShard, Replicate, ShardParams, ParallelStyle, ShardEmbedding]
+_SPEC_TYPES = (FullyShard, Replicate, ShardParams, ParallelStyle, ShardEmbedding)
 TP_AXIS = "tp"
 """The mesh axis the tensor-parallel styles apply to (on a 1-D mesh: its only axis)."""
 COLLECTIVE_FORMS = ("auto", "nccl")
@@ -171,8 +194,8 @@ class Plan:
                 raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
             if not isinstance(spec, _SPEC_TYPES):
                 raise ValueError(
-                    f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...) "
-                    "or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
+                    f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...), "
+                    "ShardEmbedding(...) or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
                 )
         styled = any(isinstance(s, ParallelStyle) for s in rules.values())
         if mesh.mesh_dim_names is not None:
@@ -285,6 +308,8 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
     io: dict[int, tuple[str, ModuleIO]] = {}
     style_of: dict[int, tuple[str, ParallelStyle]] = {}
     for key, spec in plan.rules.items():
+        if isinstance(spec, ShardEmbedding):
+            continue  # graphshard.sparse.modules shards these before resolution
         for fqn, mod in matched[key]:
             if isinstance(spec, ParallelStyle):
                 prev = style_of.setdefault(id(mod), (fqn, spec))

@@ -148,6 +148,9 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         raise ValueError(f"{type(model).__name__} is already sharded by graphshard; shard the original model once")
     if not isinstance(model, nn.Module):
         raise ValueError(f"graphshard.shard takes an nn.Module, got {type(model).__name__}")
+    from graphshard.sparse.modules import shard_plan_embeddings
+
+    shard_plan_embeddings(model, plan)  # ShardEmbedding modules first: a fused table leaves the dense plan
     resolution = resolve(model, plan)
     layouts = resolution.layouts
     mesh = plan.mesh

@@ -33,7 +33,7 @@ class FusedOptimizer:
     def state_dict(self) -> dict:
         """``{"state": {table weight FQN: {"momentum1": DTensor}}, "param_groups": [...]}``: the
         tables' optimizer state laid out like the tables (``torch.distributed.checkpoint`` saves it)."""
-        from graphshard.model_parallel._tables import optimizer_entries
+        from graphshard.sparse.state import optimizer_entries
 
         state: dict = {}
         for c in self._collections:
@@ -41,7 +41,7 @@ class FusedOptimizer:
         return {"state": state, "param_groups": [{"lr": g["lr"], "module": g["module"]} for g in self.param_groups]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        from graphshard.model_parallel._tables import load_optimizer_entries
+        from graphshard.sparse.state import load_optimizer_entries
 
         for c in self._collections:
             load_optimizer_entries(c, state_dict["state"])
@@ -117,7 +117,7 @@ def state_dict(dmp, destination, prefix: str, keep_vars: bool) -> dict[str, Any]
     out = dmp.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
     for k in [k for k in out if _strip(prefix, k)]:
         del out[k]
-    from graphshard.model_parallel._tables import table_entries
+    from graphshard.sparse.state import table_entries
 
     for coll in dmp._collections:
         for fqn in coll.layout.fqns:
@@ -126,7 +126,7 @@ def state_dict(dmp, destination, prefix: str, keep_vars: bool) -> dict[str, Any]
 
 
 def load_state_dict(dmp, state: dict, prefix: str, strict: bool):
-    from graphshard.model_parallel._tables import load_tables
+    from graphshard.sparse.state import load_tables
 
     state = dict(state)
     missing, unexpected = [], []

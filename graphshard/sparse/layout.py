@@ -120,6 +120,8 @@ class CollectionLayout:
     local_world: int | None = None  # ranks per host (table-row-wise)
     host_group: str | None = None   # c10d group of this rank's host (table-row-wise: reduce-scatter)
     cross_group: str | None = None  # c10d group of the ranks with this rank's local index (table-row-wise: all-to-all)
+    global_ranks: tuple[int, ...] | None = None  # the group's ranks in the default group (None: the same)
+    all_groups: tuple[tuple[int, ...], ...] | None = None  # every group along the axis (N-D mesh), same on all ranks
 
     @property
     def hosts(self) -> int:

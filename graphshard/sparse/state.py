@@ -51,9 +51,29 @@ def _meshes(coll):
     return out
 
 
+def _global(coll, ranks) -> tuple[int, ...]:
+    g = coll.layout.global_ranks
+    return tuple(ranks) if g is None else tuple(g[r] for r in ranks)
+
+
+def _table_mesh(coll, ranks) -> DeviceMesh:
+    """The mesh of the ranks (along the collection's axis) that hold a table. On an N-D mesh every
+    group along the axis has its own such mesh; each rank creates all of them, in the same order
+    (creating a mesh creates process groups, which every rank must do together), and uses its own."""
+    groups = coll.layout.all_groups
+    if groups is None:
+        return _mesh("cpu", _global(coll, ranks))
+    mine = None
+    for g in groups:
+        mesh = _mesh("cpu", tuple(g[r] for r in ranks))
+        if tuple(g) == tuple(coll.layout.global_ranks):
+            mine = mesh
+    return mine
+
+
 def _dtensor(coll, table: str, ranks, placements) -> DTensor:
     t = coll.table(table)
-    mesh = _mesh("cpu", ranks)
+    mesh = _table_mesh(coll, ranks)
     pieces = coll.local_pieces(table)
     local = pieces[0][1] if pieces else torch.empty(0, t.embedding_dim)
     return DTensor.from_local(local, mesh, placements, run_check=False,
@@ -73,9 +93,32 @@ def _gather_sharded_tensor(value) -> torch.Tensor:
     return full
 
 
+def table_dtensor(coll, table: str) -> DTensor:
+    """A fused table of ``coll`` as a DTensor over the ranks that hold it (a view of the TBE)."""
+    ranks, pl = _meshes(coll)[table]
+    return _dtensor(coll, table, ranks, pl)
+
+
 def table_entries(coll, prefix: str) -> dict[str, DTensor]:
     return {f"{prefix}embedding_bags.{name}.weight": _dtensor(coll, name, ranks, pl)
             for name, (ranks, pl) in _meshes(coll).items()}
+
+
+def load_table(coll, t, value, key: str) -> None:
+    """Copies ``value`` (a DTensor of any layout, a TorchRec ShardedTensor or a full tensor) into this
+    rank's pieces of table ``t``."""
+    if _compat.is_sharded_tensor(value):
+        value = _gather_sharded_tensor(value)
+    elif isinstance(value, DTensor):
+        if value.device_mesh.get_coordinate() is None:
+            return  # this rank holds none of it (and so, under the same plan, none of the table)
+        value = value.full_tensor()
+    if tuple(value.shape) != (t.num_embeddings, t.embedding_dim):
+        raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the table's "
+                         f"({t.num_embeddings}, {t.embedding_dim})")
+    with torch.no_grad():
+        for s, piece in coll.local_pieces(t.name):
+            piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
 
 
 def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
@@ -91,19 +134,7 @@ def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
                         f"{prefix}{f + '.' if f else ''}embedding_bags.{t.name}.weight" in state for f in coll.layout.fqns):
                     missing.append(key)
                 continue
-            value = state.pop(key)
-            if _compat.is_sharded_tensor(value):
-                value = _gather_sharded_tensor(value)
-            elif isinstance(value, DTensor):
-                if value.device_mesh.get_coordinate() is None:
-                    continue  # this rank holds none of it (and so, under the same plan, none of the table)
-                value = value.full_tensor()
-            if tuple(value.shape) != (t.num_embeddings, t.embedding_dim):
-                raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the table's "
-                                 f"({t.num_embeddings}, {t.embedding_dim})")
-            with torch.no_grad():
-                for s, piece in coll.local_pieces(t.name):
-                    piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+            load_table(coll, t, state.pop(key), key)
 
 
 def _state_layout(coll, table: str, ranks, placements):
@@ -123,7 +154,7 @@ def _state_layout(coll, table: str, ranks, placements):
     else:
         shape, local = (t.num_embeddings, t.embedding_dim), (local if local is not None else torch.empty(0, t.embedding_dim))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, _mesh("cpu", ranks), placements, run_check=False, shape=torch.Size(shape),
+    return DTensor.from_local(local, _table_mesh(coll, ranks), placements, run_check=False, shape=torch.Size(shape),
                               stride=stride)
 
 
