@@ -2,7 +2,8 @@
 (tests/workers/dmp.py).
 
 TorchRec's DLRM (five tables: table-wise, table-wise with mean pooling, row-wise, column-wise,
-data-parallel; on 4 ranks as 2 hosts x 2: table-row-wise on each host) and a two-tower model holding one ``EmbeddingBagCollection`` under two FQNs
+data-parallel; on 4 ranks as 2 hosts x 2: table-row-wise on each host), a weighted collection
+and a two-tower model holding one ``EmbeddingBagCollection`` under two FQNs
 train on 2 gloo ranks with graphshard's DMP, with TorchRec's (same plan, same fused
 optimizer, same initial weights) and unwrapped in one process on the global batch: losses and
 every table and dense parameter (read back through ``state_dict()``) must match the single
@@ -16,7 +17,10 @@ import pytest
 from _launch import torchrun
 
 TOL = 1e-5
-CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad"]
+CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
+         "dlrm:inbackward_rowwise_adagrad"]
+"""``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
+``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad"}

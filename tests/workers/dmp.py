@@ -3,9 +3,10 @@
 Each CASE is ``model:optimizer``: ``model`` dlrm (TorchRec's ``torchrec.models.dlrm.DLRM``, five
 tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel), dlrm4
 (4 ranks as 2 hosts x 2: table-row-wise on each host, one with mean pooling, table-wise,
-row-wise, data-parallel) or
-twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
-row-wise tables); ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad.
+row-wise, data-parallel), weighted (a weighted collection: per-sample weights in the KJT;
+table-wise, row-wise, column-wise) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
+row-wise tables); ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
+``fused_params``), or inbackward_<one of those> (from TorchRec's ``apply_optimizer_in_backward``).
 
 The same program trains three times on one batch stream: with graphshard's
 ``DistributedModelParallel``, with TorchRec's (same plan, same fused optimizer, the same
@@ -54,6 +55,12 @@ def _tables(model: str):
             EmbeddingBagConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f4"]),
             EmbeddingBagConfig(name="t_dp", embedding_dim=DIM, num_embeddings=12, feature_names=["f5"]),
         ]
+    if model == "weighted":
+        return [
+            EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0", "f1"]),
+            EmbeddingBagConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f2"]),
+            EmbeddingBagConfig(name="t_cw", embedding_dim=DIM, num_embeddings=24, feature_names=["f3"]),
+        ]
     if model == "dlrm":
         return [
             EmbeddingBagConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0", "f1"]),
@@ -77,6 +84,9 @@ def _sharding(model: str, world: int) -> dict:
         return {"t_twrw0": _fused_kernel(table_row_wise(host_index=0)), "t_twrw1": _fused_kernel(table_row_wise(host_index=1)),
                 "t_tw": table_wise(rank=3, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
                 "t_dp": data_parallel()}
+    if model == "weighted":
+        return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
+                "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused)}
     if model == "dlrm":
         return {"t_tw": table_wise(rank=0, compute_kernel=fused), "t_mean": table_wise(rank=world - 1, compute_kernel=fused),
                 "t_rw": row_wise(compute_kernel=fused), "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused),
@@ -103,6 +113,18 @@ class Tower(nn.Module):
         return self.proj(self.ebc(kjt).values())
 
 
+class Weighted(nn.Module):
+    """One weighted ``EmbeddingBagCollection`` (per-sample weights in the KJT) and a head."""
+
+    def __init__(self, ebc: nn.Module, width: int):
+        super().__init__()
+        self.ebc = ebc
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, kjt):
+        return self.head(self.ebc(kjt).values())
+
+
 class TwoTower(nn.Module):
     def __init__(self, ebc: nn.Module, width: int):
         super().__init__()
@@ -117,7 +139,9 @@ def build(model: str) -> nn.Module:
     _, _, EmbeddingBagCollection = _trec()
     torch.manual_seed(0)
     tables = _tables(model)
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"), is_weighted=model == "weighted")
+    if model == "weighted":
+        return Weighted(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
     if model in ("dlrm", "dlrm4"):
         from torchrec.models.dlrm import DLRM
 
@@ -139,7 +163,8 @@ def _kjt(model: str, gen: torch.Generator):
     order = list(reversed(range(len(feats))))  # the KJT's keys in another order than the tables'
     l2 = lengths.view(len(feats), BATCH)[order].reshape(-1)
     v2 = torch.cat([values[i] for i in order])
-    return KeyedJaggedTensor(keys=[feats[i] for i in order], values=v2, lengths=l2)
+    weights = torch.rand(v2.shape, generator=gen) if model == "weighted" else None
+    return KeyedJaggedTensor(keys=[feats[i] for i in order], values=v2, lengths=l2, weights=weights)
 
 
 def batch(model: str, step: int, rank: int):
@@ -147,6 +172,8 @@ def batch(model: str, step: int, rank: int):
     labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
     if model in ("dlrm", "dlrm4"):
         return (torch.randn(BATCH, DENSE_IN, generator=gen), _kjt(model, gen)), labels
+    if model == "weighted":
+        return (_kjt(model, gen),), labels
     return (_kjt(model, gen), _kjt(model, gen)), labels
 
 
@@ -166,15 +193,19 @@ def _plan(model: str, module: nn.Module, world: int):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
 
-    dlrm = model in ("dlrm", "dlrm4")
-    ebc = module.sparse_arch.embedding_bag_collection if dlrm else module.query.ebc
-    fqn = "sparse_arch.embedding_bag_collection" if dlrm else "query.ebc"
+    fqn = _ebc_fqn(model)
+    ebc = module.get_submodule(fqn)
     return ShardingPlan({fqn: construct_module_sharding_plan(ebc, per_param_sharding=_sharding(model, world),
                                                              world_size=world, device_type="cpu")})
 
 
+def _ebc_fqn(model: str) -> str:
+    return {"dlrm": "sparse_arch.embedding_bag_collection", "dlrm4": "sparse_arch.embedding_bag_collection",
+            "weighted": "ebc"}.get(model, "query.ebc")
+
+
 def _table_fqns(model: str) -> list[str]:
-    base = "sparse_arch.embedding_bag_collection" if model in ("dlrm", "dlrm4") else "query.ebc"
+    base = _ebc_fqn(model)
     return [f"{base}.embedding_bags.{t.name}.weight" for t in _tables(model)]
 
 
@@ -268,6 +299,18 @@ def _train(dmp, model: str, step_range, rank: int, world: int) -> list[float]:
     return losses
 
 
+def _in_backward(model: str, module: nn.Module, optimizer: str, world: int) -> None:
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[optimizer]
+    plan = next(iter(_plan(model, module, world).plan.values()))
+    ebc = module.get_submodule(_ebc_fqn(model))
+    params = [ebc.embedding_bags[t].weight for t, ps in plan.items() if ps.sharding_type != "data_parallel"]
+    kwargs = {"lr": LR} if optimizer == "sgd" else {"lr": LR, "eps": EPS}
+    apply_optimizer_in_backward(cls, params, kwargs)
+
+
 def run(case: str) -> dict:
     model, optimizer = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -282,9 +325,14 @@ def run(case: str) -> dict:
     base = build(model)
     init = {k: v.detach().clone() for k, v in base.state_dict().items()}
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    fused = _fused(optimizer)
+    in_backward = optimizer.startswith("inbackward_")
+    if in_backward:  # the tables' optimizer from apply_optimizer_in_backward, no fused_params
+        optimizer = optimizer[len("inbackward_"):]
+    fused = {} if in_backward else _fused(optimizer)
 
     gs_model = copy.deepcopy(base)
+    if in_backward:
+        _in_backward(model, gs_model, optimizer, world)
     gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=_plan(model, gs_model, world),
                        sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
     gs_losses = _train(gs, model, range(STEPS), rank, world)
@@ -294,6 +342,8 @@ def run(case: str) -> dict:
     report = graphshard.explain(gs.module) if rank == 0 else ""
 
     tr_model = copy.deepcopy(base)
+    if in_backward:
+        _in_backward(model, tr_model, optimizer, world)
     tr = TorchRecDMP(tr_model, env=env, device=torch.device("cpu"), plan=_plan(model, tr_model, world),
                      sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
     with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: copy the same initial weights in
