@@ -18,9 +18,10 @@ from _launch import torchrun
 
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
-         "dlrm:inbackward_rowwise_adagrad"]
+         "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp"]
 """``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
-``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``."""
+``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``; ``fsdp``: graphshard's
+dense part sharded (``FullyShardDense``) in the same program as the sparse exchange."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad"}

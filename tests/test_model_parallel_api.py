@@ -162,5 +162,5 @@ def test_out_of_range_id_names_feature_and_table():
 
 
 def test_other_wrappers_refused():
-    with pytest.raises(NotImplementedError, match="data_parallel_wrapper"):
+    with pytest.raises(NotImplementedError, match=r"data_parallel_wrapper=object.*FullyShardDense\(\)"):
         _dmp(TwoTower(), None, data_parallel_wrapper=object())

@@ -11,6 +11,6 @@ Plans, sharders, ``ShardingEnv`` and ``KeyedJaggedTensor`` are TorchRec's own ty
 (TorchRec is an optional dependency: ``pip install graphshard[torchrec]``).
 """
 
-from graphshard.model_parallel._dmp import DistributedModelParallel
+from graphshard.model_parallel._dmp import DistributedModelParallel, FullyShardDense
 
-__all__ = ["DistributedModelParallel"]
+__all__ = ["DistributedModelParallel", "FullyShardDense"]

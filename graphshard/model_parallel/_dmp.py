@@ -23,12 +23,36 @@ import torch.nn as nn
 from graphshard.backend import graphshard_backend
 from graphshard.config import CompileConfig
 from graphshard.model_parallel import _plan, _state
-from graphshard.plan import Plan, Replicate
+from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sparse.collection import new_key
 from graphshard.sparse.torchrec import collection_layout, install
 from graphshard.storage import shard, state_of
 
 log = logging.getLogger("graphshard.model_parallel")
+
+
+class FullyShardDense:
+    """``data_parallel_wrapper=FullyShardDense()``: the dense parameters sharded (graphshard's
+    ``FullyShard`` on the root: FSDP) instead of replicated. Keywords are ``FullyShard``'s."""
+
+    def __init__(self, **kwargs):
+        self.spec = FullyShard(**kwargs)
+
+
+def _dense_spec(wrapper):
+    if wrapper is None:
+        return Replicate()
+    if isinstance(wrapper, FullyShardDense):
+        return wrapper.spec
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    if type(wrapper) is DefaultDataParallelWrapper:
+        return Replicate()
+    raise NotImplementedError(
+        f"data_parallel_wrapper={type(wrapper).__name__}: graphshard compiles the dense part's data parallelism "
+        "itself; pass None or DefaultDataParallelWrapper (replicated) or graphshard.model_parallel.FullyShardDense() "
+        "(sharded)"
+    )
 
 
 class DistributedModelParallel(nn.Module):
@@ -39,9 +63,10 @@ class DistributedModelParallel(nn.Module):
     ``fused_params`` (``EmbeddingBagCollectionSharder(fused_params=...)``); an
     ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
     on the CPU, the tables keep the module's weights (``init_parameters`` only materializes
-    parameters on the meta device). ``data_parallel_wrapper``: None (the dense parameters are
-    replicated, their gradients averaged: DDP); graphshard compiles its own data parallelism,
-    so other wrappers are refused.
+    parameters on the meta device). ``data_parallel_wrapper`` says how the dense part is laid
+    out: None or TorchRec's ``DefaultDataParallelWrapper`` replicate it (DDP), `FullyShardDense`
+    shards it (FSDP); graphshard compiles that data parallelism itself, so other wrappers are
+    refused.
     """
 
     def __init__(self, module: nn.Module, env=None, device: torch.device | None = None, plan=None,
@@ -51,11 +76,7 @@ class DistributedModelParallel(nn.Module):
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-        if data_parallel_wrapper is not None:
-            raise NotImplementedError(
-                f"data_parallel_wrapper={type(data_parallel_wrapper).__name__}: graphshard compiles the dense "
-                "part's data parallelism itself (replicated, gradients averaged); pass None"
-            )
+        self._dense_spec = _dense_spec(data_parallel_wrapper)
         self._env = env if env is not None else ShardingEnv.from_process_group(dist.group.WORLD)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type != "cpu":
@@ -138,7 +159,7 @@ class DistributedModelParallel(nn.Module):
     def _dense_rules(self) -> dict:
         """The dense parameters replicated (DDP); each data-parallel table its own unit, so its
         (large) gradient is reduced on its own, as soon as it is computed, not packed with the rest."""
-        rules = {"": Replicate()}
+        rules = {"": self._dense_spec}
         for coll in self._collections:
             for t in coll.plan.dp_tables:
                 rules[f"{coll.layout.fqns[0]}.embedding_bags.{t.name}"] = Replicate()

@@ -5,7 +5,8 @@ tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-pa
 (4 ranks as 2 hosts x 2: table-row-wise on each host, one with mean pooling, table-wise,
 row-wise, data-parallel), weighted (a weighted collection: per-sample weights in the KJT;
 table-wise, row-wise, column-wise) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
-row-wise tables); ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
+row-wise tables); flag ``fsdp``: graphshard's dense part sharded (``FullyShardDense``; TorchRec's stays DDP);
+``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
 ``fused_params``), or inbackward_<one of those> (from TorchRec's ``apply_optimizer_in_backward``).
 
 The same program trains three times on one batch stream: with graphshard's
@@ -312,7 +313,7 @@ def _in_backward(model: str, module: nn.Module, optimizer: str, world: int) -> N
 
 
 def run(case: str) -> dict:
-    model, optimizer = case.split(":")
+    model, optimizer, *flags = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
     if model == "dlrm4":
         os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 hosts x 2 ranks (TorchRec and graphshard read it)
@@ -333,8 +334,11 @@ def run(case: str) -> dict:
     gs_model = copy.deepcopy(base)
     if in_backward:
         _in_backward(model, gs_model, optimizer, world)
+    from graphshard.model_parallel import FullyShardDense
+
     gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=_plan(model, gs_model, world),
-                       sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
+                       sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))],
+                       data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
     gs_losses = _train(gs, model, range(STEPS), rank, world)
     gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
     import graphshard
