@@ -99,7 +99,8 @@ def check_inputs(args, kwargs) -> None:
         visit(a, f"argument {k!r}")
 
 
-def _strip(prefix: str, name: str) -> bool:
+def _strip(name: str) -> bool:
+    """Whether a state-dict or buffer name is graphshard's TBE storage (shown as the tables instead)."""
     return _TBE_PREFIX in name.split(".")
 
 
@@ -109,13 +110,13 @@ def named_parameters(dmp, prefix: str, recurse: bool, remove_duplicate: bool) ->
 
 def named_buffers(dmp, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for name, b in dmp.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate):
-        if not _strip(prefix, name):
+        if not _strip(name):
             yield name, b
 
 
 def state_dict(dmp, destination, prefix: str, keep_vars: bool) -> dict[str, Any]:
     out = dmp.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-    for k in [k for k in out if _strip(prefix, k)]:
+    for k in [k for k in out if _strip(k)]:
         del out[k]
     from graphshard.sparse.state import table_entries
 
@@ -144,7 +145,7 @@ def load_state_dict(dmp, state: dict, prefix: str, strict: bool):
             v = distribute_tensor(v.to(current.dtype), current.device_mesh, current.placements)
         rest[name] = v
     result = dmp.module.load_state_dict(rest, strict=False)
-    missing += [f"{prefix}{k}" for k in result.missing_keys if not _strip("", k)]
+    missing += [f"{prefix}{k}" for k in result.missing_keys if not _strip(k)]
     unexpected += [f"{prefix}{k}" for k in result.unexpected_keys]
     if strict and (missing or unexpected):
         raise RuntimeError(f"Error(s) in loading state_dict for DistributedModelParallel: missing keys {missing}, "
