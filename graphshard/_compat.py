@@ -34,6 +34,14 @@ from torch._functorch.aot_autograd import aot_module_simplified  # noqa: E402
 from torch._functorch.partitioners import min_cut_rematerialization_partition  # noqa: E402
 
 
+FAKE_TENSOR_FALLBACK_ERRORS = tuple(getattr(torch._subclasses.fake_tensor, name) for name in (
+    "DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
+    "UnsupportedFakeTensorException", "UnsupportedMutationAliasingException",
+) if hasattr(torch._subclasses.fake_tensor, name))
+"""Fake-tensor errors that dynamo answers, when a backend raises them, with a graph break and an
+eager run of the graph (``torch._dynamo.exc.exceptions_allowed_to_be_fallback``)."""
+
+
 def fake_mode_of(example_inputs) -> FakeTensorMode:
     mode = detect_fake_mode(example_inputs)
     if mode is None:

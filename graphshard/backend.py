@@ -49,7 +49,19 @@ _graph_ids = itertools.count()
 def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, *,
                        config: CompileConfig | None = None):
     """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
-    config = config or CompileConfig(**(options or {}))
+    try:
+        return _compile(gm, example_inputs, config or CompileConfig(**(options or {})))
+    except _compat.FAKE_TENSOR_FALLBACK_ERRORS as e:
+        # dynamo turns these into a graph break and runs the graph eagerly, unsharded by any pass:
+        # a silent fallback. graphshard stops with the reason instead.
+        raise RuntimeError(
+            f"graphshard could not trace this graph ({type(e).__name__}: {e}); an op without a fake "
+            "implementation, or with data-dependent output sizes the graph cannot hold. dynamo would run the "
+            "graph eagerly instead; graphshard refuses that silent fallback"
+        ) from e
+
+
+def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig):
     t0 = time.perf_counter()
     prepared = prepare(gm, example_inputs, config)
     t1 = time.perf_counter()

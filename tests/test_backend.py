@@ -170,3 +170,17 @@ def test_attention_with_a_mask_that_requires_grad_compiles():
     loss.backward()
     torch.testing.assert_close(loss, ref(x))
     assert model.bias.grad is not None and model.bias.grad.shape == model.bias.shape
+
+
+def test_a_fake_tensor_failure_stops_the_compile_instead_of_running_eagerly():
+    # dynamo answers a backend's fake-tensor errors (an op with data-dependent output sizes the
+    # graph cannot hold, an op without a fake impl) with a graph break and an eager run of the
+    # graph, nothing sharded: graphshard turns them into an error that says so
+    import pytest
+    import torch.fx as fx
+
+    from graphshard.backend import graphshard_backend
+
+    gm = fx.symbolic_trace(lambda x: torch.nonzero(x))  # sizes only the data knows; no shape env to hold them
+    with pytest.raises(RuntimeError, match=r"(?s)graphshard could not trace this graph \(DynamicOutputShapeException.*silent fallback"):
+        graphshard_backend(gm, [torch.tensor([0.0, 1.0])])
