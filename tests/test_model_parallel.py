@@ -33,7 +33,11 @@ graphshard merges the two uses into one lookup and one update."""
 
 @pytest.fixture(scope="module")
 def results():
-    out = {r["case"]: r for r in torchrun("dmp.py", CASES, nproc=2)}
+    # at most three cases per process: each model compiles the shared wrapped forward twice, and
+    # dynamo stops compiling a code object after 8 (its recompile_limit)
+    out = {}
+    for i in range(0, len(CASES), 3):
+        out.update({r["case"]: r for r in torchrun("dmp.py", CASES[i:i + 3], nproc=2)})
     out.update({r["case"]: r for r in torchrun("dmp.py", FOUR_RANK, nproc=4)})
     return out
 
