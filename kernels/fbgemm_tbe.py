@@ -32,9 +32,6 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-
-
 def _fbgemm():
     try:
         import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
@@ -68,17 +65,25 @@ def optimizer_name(optim) -> str:
 # --------------------------------------------------------------------------------------------
 # The ops.
 # --------------------------------------------------------------------------------------------
+def first_out_of_range(ids: torch.Tensor, counts: torch.Tensor, limits: torch.Tensor) -> tuple[int, int] | None:
+    """(position, row) of the first id outside ``[0, limit)`` of its row, or None. The ids are
+    grouped by row, ``counts[r]`` of them in row ``r``; a negative limit checks only the sign."""
+    if ids.numel() == 0:
+        return None
+    limit = torch.repeat_interleave(limits, counts, output_size=ids.numel())
+    bad = (ids < 0) | ((ids >= limit) & (limit >= 0))
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0, 0])
+    return i, int(torch.searchsorted(counts.cumsum(0), i, right=True))
+
+
 def _check_ids(indices, offsets, rows, names, row_offsets):
     """Raises ValueError naming the table and feature of the first id outside its table (or shard)."""
-    if indices.numel() == 0:
-        return
-    slots = rows.numel()
-    counts = (offsets[1:] - offsets[:-1]).view(slots, -1).sum(1)
-    limit = torch.repeat_interleave(rows, counts, output_size=indices.numel())
-    bad = (indices < 0) | (indices >= limit)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        slot = int(torch.searchsorted(counts.cumsum(0), i, right=True))
+    counts = (offsets[1:] - offsets[:-1]).view(rows.numel(), -1).sum(1)
+    found = first_out_of_range(indices, counts, rows)
+    if found is not None:
+        i, slot = found
         idx = int(indices[i]) + row_offsets[slot]
         raise ValueError(
             f"id {idx} of {names[slot]} is outside the table's rows "

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.program import GROUPS, LocalPlan, local_plan, permute_features, permute_rows, sharded_lookup
+from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
 
 _COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -32,6 +32,10 @@ def collection_for(key: str) -> "SparseCollection":
 
 def new_key(fqn: str) -> str:
     return f"s{next(_ids)}/{fqn}"
+
+
+def _distinct_tables(tables) -> list[TableLayout]:
+    return list({t.name: t for t in tables}.values())
 
 
 class NoTables(nn.Module):
@@ -72,9 +76,9 @@ class SparseCollection:
         twrw_here = [self.plan.twrw_features[i][0] for i in (self.plan.twrw_by_host[rank // layout.local_world]
                                                              if self.plan.twrw_features else [])]
         groups = {
-            "a2a": self._distinct([(s.table, s.shard) for s in self.plan.a2a_slots[rank]]),
-            "rw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables([t for t, _ in self.plan.rw_features])],
-            "twrw": [(t, t.shard_on(rank)[0]) for t in self._distinct_tables(twrw_here)],
+            "a2a": list({(s.table.name, s.shard): (s.table, s.shard) for s in self.plan.a2a_slots[rank]}.values()),
+            "rw": [(t, t.shard_on(rank)[0]) for t in _distinct_tables(t for t, _ in self.plan.rw_features)],
+            "twrw": [(t, t.shard_on(rank)[0]) for t in _distinct_tables(twrw_here)],
         }
         present = {"a2a": any(self.plan.a2a_slots), "rw": bool(self.plan.rw_features),
                    "twrw": bool(self.plan.twrw_features)}
@@ -95,32 +99,9 @@ class SparseCollection:
             self.tbes[name] = tbe
         _COLLECTIONS[layout.key] = self
 
-    @staticmethod
-    def _distinct(pairs):
-        seen, out = set(), []
-        for t, s in pairs:
-            if (t.name, s) not in seen:
-                seen.add((t.name, s))
-                out.append((t, s))
-        return out
-
-    @staticmethod
-    def _distinct_tables(tables):
-        seen, out = set(), []
-        for t in tables:
-            if t.name not in seen:
-                seen.add(t.name)
-                out.append(t)
-        return out
-
     # ---- what the program reads ----
     def state_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for name in GROUPS:
-            if name in self.tbes:
-                tbe = self.tbes[name]
-                out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]
-        return out + [self.dp_params[t.name] for t in self.plan.dp_tables]
+        return group_state(self.tbes) + [self.dp_params[t.name] for t in self.plan.dp_tables]
 
     def state_requires_grad(self) -> list[bool]:
         """Per ``state_tensors()`` entry: whether the program's autograd flows into it."""

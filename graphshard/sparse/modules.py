@@ -20,8 +20,10 @@ from graphshard.plan import Plan, ShardEmbedding, fqn_match
 from graphshard.sparse.collection import SparseCollection, new_key
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.sparse.program import group_state
 
-_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+_OPTIMIZERS = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
+"""``ShardEmbedding.optimizer`` -> fbgemm's ``EmbOptimType`` member."""
 
 
 def shard_plan_embeddings(model: nn.Module, plan: Plan) -> list[SparseCollection]:
@@ -97,7 +99,7 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
         if getattr(mod, attr) is not None:
             raise NotImplementedError(f"{fqn}: nn.EmbeddingBag({attr}={getattr(mod, attr)}) is not supported sharded")
     if spec.optimizer not in _OPTIMIZERS:
-        raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {_OPTIMIZERS}")
+        raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {tuple(_OPTIMIZERS)}")
     axis = _axis(plan, spec, fqn)
     group = plan.group(axis)
     import torch.distributed as dist
@@ -113,9 +115,8 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
                               all_groups=_axis_groups(plan, axis))
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-    fused = {"optimizer": {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD,
-                           "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[spec.optimizer],
-             "learning_rate": spec.learning_rate, "eps": spec.eps}
+    fused = {"optimizer": getattr(EmbOptimType, _OPTIMIZERS[spec.optimizer]), "learning_rate": spec.learning_rate,
+             "eps": spec.eps}
     dp = {table.name: mod.weight} if not table.fused else {}
     coll = SparseCollection(layout, {table.name: mod.weight.detach()}, dp, fused)
     if table.fused:
@@ -145,8 +146,7 @@ def _forward(self, input, offsets=None, per_sample_weights=None):
         values, lengths = input, (ends - starts).to(input.dtype)
     if per_sample_weights is not None and self.mode != "sum":
         raise ValueError(f"{coll.layout.fqns[0]}: per_sample_weights need mode='sum' (as nn.EmbeddingBag)")
-    state = [getattr(self._graphshard_tbes[n], a) for n in self._graphshard_tbes for a in ("token", "weights", "momentum", "lr")]
-    state += [self.weight for _ in coll.plan.dp_tables]
+    state = group_state(self._graphshard_tbes) + [self.weight for _ in coll.plan.dp_tables]
     return sparse_ops.embedding_bags(values, lengths, per_sample_weights, state, coll.layout.key, ["input"],
                                      coll.layout.total_dim)
 

@@ -48,14 +48,12 @@ torch.library.register_autograd("graphshard::embedding_bags", _embedding_bags_ba
 
 
 def _check_ids_eager(values, lengths, limits, names):
-    rows = len(limits)
-    counts = lengths.view(rows, -1).sum(1)
-    limit = torch.repeat_interleave(torch.tensor(limits, dtype=values.dtype, device=values.device), counts,
-                                    output_size=values.numel())
-    bad = (values < 0) | ((values >= limit) & (limit >= 0))
-    if values.numel() and bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        row = int(torch.searchsorted(counts.cumsum(0), i, right=True))
+    from graphshard.kernels.fbgemm_tbe import first_out_of_range
+
+    counts = lengths.view(len(limits), -1).sum(1)
+    found = first_out_of_range(values, counts, torch.tensor(limits, dtype=values.dtype, device=values.device))
+    if found is not None:
+        i, row = found
         raise ValueError(
             f"id {int(values[i])} of {names.splitlines()[row]} is outside the table's {limits[row]} rows; "
             "ids must lie in [0, num_embeddings)"

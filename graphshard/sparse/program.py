@@ -148,6 +148,29 @@ def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dt
 
 GROUPS = ("a2a", "rw", "twrw")
 """The lookup groups, in state order: table- and column-wise, row-wise, table-row-wise."""
+STATE = ("token", "weights", "momentum", "lr")
+"""What the program reads of each group's TBE (or its stand-in), in order."""
+
+
+def group_state(tbes) -> list[torch.Tensor]:
+    """The TBE tensors the program reads, in its order. A module's installed forward reads them
+    through its own ``_graphshard_tbes`` (so dynamo sees module buffers)."""
+    return [getattr(tbes[name], attr) for name in GROUPS if name in tbes for attr in STATE]
+
+
+def _bucketize(rows: list[int], lengths2d, values, weights, blocks: list[int], buckets: int):
+    """The features ``rows`` of a KJT, each id bucketized by row block (``blocks[i]`` rows per block
+    for feature ``i``; ids made local to their block): lengths ``[buckets * len(rows), batch]``."""
+    l2d, v, w = permute_rows(rows, lengths2d, values, weights)
+    sizes = torch.tensor(blocks, dtype=l2d.dtype, device=l2d.device)
+    bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(l2d.reshape(-1), v, False, False, sizes,
+                                                                        buckets, w)
+    return bl.view(buckets * len(rows), lengths2d.shape[1]), bv, bw
+
+
+def _blocks(back: torch.Tensor, batch: int, widths: list[int]) -> list[torch.Tensor]:
+    """A pooled all-to-all's received rows as ``[batch, width]`` blocks, one per sender with columns."""
+    return [b.view(batch, wd) for b, wd in zip(back.split([batch * wd for wd in widths]), widths) if wd]
 
 
 def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values, weights, batch, dtype):
@@ -159,13 +182,11 @@ def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values
     world, local, hosts = layout.world, layout.local_world, layout.hosts
     feats = plan.twrw_features
     n = len(feats)
-    l2d, v, w = permute_rows([kpos[f] for _, f in feats], lengths2d, values, weights)
-    blocks = torch.tensor([t.row_block for t, _ in feats], dtype=l2d.dtype, device=l2d.device)
-    bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(l2d.reshape(-1), v, False, False, blocks,
-                                                                        local, w)
+    bl, bv, bw = _bucketize([kpos[f] for _, f in feats], lengths2d, values, weights, [t.row_block for t, _ in feats],
+                            local)
     # to rank (host h, local index l): bucket l of the features whose table lives on host h
     send_rows = [d % local * n + i for d in range(world) for i in plan.twrw_by_host[d // local]]
-    sl, sv, sw = permute_rows(send_rows, bl.view(local * n, batch), bv, bw)
+    sl, sv, sw = permute_rows(send_rows, bl, bv, bw)
     send = [len(plan.twrw_by_host[d // local]) for d in range(world)]
     my_host, my_local = divmod(layout.rank, local)
     mine = len(plan.twrw_by_host[my_host])
@@ -182,7 +203,7 @@ def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values
     widths = [sum(feats[i][0].embedding_dim for i in plan.twrw_by_host[h]) for h in range(hosts)]
     back = ops.all_to_all(summed.reshape(-1), [batch * wd for wd in widths], [batch * width] * hosts,
                           layout.cross_group)
-    return [b.view(batch, wd) for b, wd in zip(back.split([batch * wd for wd in widths]), widths) if wd]
+    return _blocks(back, batch, widths)
 
 
 def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: list[str],
@@ -210,11 +231,10 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     parts = []
     at = 0
 
-    group_state = {}
+    per_group = {}
     for name in GROUPS:
         if name in tbes:
-            group_state[name], at = state[at:at + 4], at + 4
-    a2a_state, rw_state = group_state.get("a2a"), group_state.get("rw")
+            per_group[name], at = state[at:at + len(STATE)], at + len(STATE)
     dp_weights = state[at:]
 
     if any(plan.a2a_slots):
@@ -222,24 +242,21 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
         l2d, v, w = permute_rows(send_rows, lengths2d, values, weights)
         mine = plan.a2a_slots[rank]
         rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world)
-        pooled = _lookup(tbes.get("a2a"), a2a_state, constants.get("a2a"), rl, rv, rw, world * batch, dtype)
+        pooled = _lookup(tbes["a2a"], per_group["a2a"], constants.get("a2a"), rl, rv, rw, world * batch, dtype)
         widths = [sum(s.shard.cols for s in slots) for slots in plan.a2a_slots]
         back = ops.all_to_all(pooled.reshape(-1), [batch * d for d in widths], [batch * pooled.shape[1]] * world, group)
-        parts.extend(b.view(batch, d) for b, d in zip(back.split([batch * d for d in widths]), widths) if d)
+        parts.extend(_blocks(back, batch, widths))
 
     if plan.rw_features:
-        rows = [kpos[f] for _, f in plan.rw_features]
-        l2d, v, w = permute_rows(rows, lengths2d, values, weights)
-        blocks = torch.tensor([t.row_block for t, _ in plan.rw_features], dtype=l2d.dtype, device=l2d.device)
-        bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(
-            l2d.reshape(-1), v, False, False, blocks, world, w)
+        bl, bv, bw = _bucketize([kpos[f] for _, f in plan.rw_features], lengths2d, values, weights,
+                                [t.row_block for t, _ in plan.rw_features], world)
         n = len(plan.rw_features)
-        rl, rv, rw = _exchange(bl.view(world * n, batch), bv, bw, [n] * world, n, batch, group, world)
-        partial = _lookup(tbes["rw"], rw_state, constants.get("rw"), rl, rv, rw, world * batch, dtype)
+        rl, rv, rw = _exchange(bl, bv, bw, [n] * world, n, batch, group, world)
+        partial = _lookup(tbes["rw"], per_group["rw"], constants.get("rw"), rl, rv, rw, world * batch, dtype)
         parts.append(ops.reduce_scatter(partial, 0, group, world, rank))
 
     if plan.twrw_features:
-        parts.extend(_table_row_wise(layout, plan, tbes["twrw"], group_state["twrw"], constants.get("twrw"), kpos,
+        parts.extend(_table_row_wise(layout, plan, tbes["twrw"], per_group["twrw"], constants.get("twrw"), kpos,
                                      lengths2d, values, weights, batch, dtype))
 
     for t, weight in zip(plan.dp_tables, dp_weights):

@@ -20,7 +20,7 @@ import torch.nn as nn
 from graphshard.sparse.collection import SparseCollection
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
-from graphshard.sparse.program import GROUPS
+from graphshard.sparse.program import group_state
 
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
 
@@ -119,9 +119,4 @@ def _forward(self, features):
 
 def _state(module: nn.Module, coll: SparseCollection) -> list[torch.Tensor]:
     """The program's state read through the module (so dynamo sees module buffers and parameters)."""
-    out = []
-    for name in GROUPS:
-        if name in module._graphshard_tbes:
-            tbe = module._graphshard_tbes[name]
-            out += [tbe.token, tbe.weights, tbe.momentum, tbe.lr]
-    return out + [module.embedding_bags[t.name].weight for t in coll.plan.dp_tables]
+    return group_state(module._graphshard_tbes) + [module.embedding_bags[t.name].weight for t in coll.plan.dp_tables]
