@@ -64,6 +64,16 @@ def allow_data_dependent_sizes(fake_mode: FakeTensorMode) -> None:
     env.settings = dataclasses.replace(env.settings, allow_scalar_outputs=True, allow_dynamic_output_shape_ops=True)
 
 
+def trace_data_dependent_outputs() -> contextlib.AbstractContextManager:
+    """dynamo's setting that traces an op whose output sizes depend on its input's data (a
+    sequence lookup: each feature's rows, as many as its ids) into the graph instead of breaking
+    the graph before it. Set only while graphshard's own module is called (its compile traces
+    then), and restored after."""
+    import torch._dynamo.config as dynamo_config
+
+    return dynamo_config.patch(capture_dynamic_output_shape_ops=True)
+
+
 def is_sharded_tensor(value) -> bool:
     """A ``torch.distributed._shard`` ShardedTensor (TorchRec's state dicts hold its tables so)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor

@@ -169,10 +169,10 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
 def _sparse_collections(gm: fx.GraphModule) -> dict:
     """The embedding collections the graph looks up, by key (``shard_embeddings`` expands them)."""
     from graphshard.sparse.collection import collection_for
-    from graphshard.sparse.ops import ops as sparse_ops
+    from graphshard.sparse.ops import lookup_args
 
-    return {n.args[4]: collection_for(n.args[4]) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target == sparse_ops.embedding_bags.default}
+    keys = [a[4] for a in map(lookup_args, gm.graph.nodes) if a is not None]
+    return {k: collection_for(k) for k in keys}
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:

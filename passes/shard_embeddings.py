@@ -1,7 +1,8 @@
 """shard_embeddings: each logical embedding-collection lookup -> its per-rank sharded program.
 
 ``graphshard::embedding_bags`` (one node: the KJT's values, lengths and weights in, the
-pooled ``[batch, total_dim]`` out) is replaced by the collection's sharded program
+pooled ``[batch, total_dim]`` out; ``graphshard::embedding_seqs`` for a sequence collection,
+each feature's rows out) is replaced by the collection's sharded program
 (``graphshard.sparse.program``): the ids' input distribution (``fbgemm`` permutes and
 bucketizes, ``graphshard::all_to_all`` of lengths, then of ids with data-dependent sizes),
 the fused TBE lookup (``graphshard::tbe_lookup``), and the pooled output's distribution
@@ -16,19 +17,21 @@ model-parallel passes (the program is already per-rank) and before bucketing.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.passes.pipeline import PassContext, log
-from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.sparse.ops import lookup_args, ops as sparse_ops
 
 
 def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target == sparse_ops.embedding_bags.default:
-            groups.setdefault(n.args[4], []).append(n)
+        if lookup_args(n) is not None:
+            groups.setdefault(lookup_args(n)[4], []).append(n)
     for key, nodes in groups.items():
         _expand(gm, nodes, ctx)
     if groups:
@@ -38,15 +41,15 @@ def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
     """Replaces the lookups of one collection (one, or one per FQN of a shared module) by one program."""
-    key = nodes[0].args[4]
+    key = lookup_args(nodes[0])[4]
     coll = ctx.sparse[key]
     last = nodes[-1]
     if len(nodes) > 1:
         _defer_users(nodes, coll)
     consts = [(tbe, name, t) for tbe, m in coll.tbes.items() for name, t in m.constants().items()]
-    state = last.args[3]
+    state = lookup_args(last)[3]
     n_state, n_uses = len(state), len(nodes)
-    keys = [list(n.args[5]) for n in nodes]
+    keys = [list(lookup_args(n)[5]) for n in nodes]
 
     def program(*args):
         uses = [(args[3 * i], args[3 * i + 1], args[3 * i + 2], keys[i]) for i in range(n_uses)]
@@ -55,12 +58,13 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
         constants: dict = {}
         for (tbe, name, _), c in zip(consts, cs):
             constants.setdefault(tbe, {})[name] = c
-        return tuple(coll.run_uses(uses, list(st), constants))
+        outs = coll.run_uses(uses, list(st), constants)
+        return tuple(t for out in outs for t in (out if isinstance(out, (list, tuple)) else [out]))
 
     # traced with the grad facts of the real call (the TBE tokens and data-parallel tables need
     # gradients): embedding_bag picks a forward-only kernel for a weight that needs none
     grads = coll.state_requires_grad()
-    use_inputs = [a for n in nodes for a in n.args[:3]]
+    use_inputs = [a for n in nodes for a in lookup_args(n)[:3]]
     with ctx.fake_mode:
         fake_state = [_val(a).detach().requires_grad_(g) for a, g in zip(state, grads)]
         fake = [*map(_val, use_inputs), *fake_state,
@@ -95,8 +99,19 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
                 new = g.node_copy(n, lambda a: env[a])
             new.meta["expanded_from"] = last.name
             env[n] = new
-    for node, out in zip(nodes, outs):
-        node.replace_all_uses_with(out)
+    at = 0
+    for node in nodes:
+        if node.target == sparse_ops.embedding_bags.default:
+            node.replace_all_uses_with(outs[at])
+            at += 1
+        else:  # a list of tensors: its users are getitem nodes
+            count = len(node.meta["val"])
+            for user in list(node.users):
+                if user.target is not operator.getitem:
+                    raise AssertionError(f"{user}: a sequence lookup's output read other than by index")
+                user.replace_all_uses_with(outs[at + user.args[1]])
+                g.erase_node(user)
+            at += count
         g.erase_node(node)
     ctx.report.sparse.append(_describe(coll, n_uses))
     log.info("shard_embeddings: %s", ctx.report.sparse[-1])

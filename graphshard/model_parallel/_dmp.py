@@ -1,6 +1,7 @@
 """``DistributedModelParallel``: TorchRec's DMP API over graphshard's compiler.
 
-The constructor shards each planned ``EmbeddingBagCollection`` in place (its fused tables
+The constructor shards each planned ``EmbeddingBagCollection`` and ``EmbeddingCollection`` in
+place (its fused tables
 move into fbgemm TBEs on the ranks that own them; its forward becomes the logical lookup the
 ``shard_embeddings`` pass expands), then ``init_data_parallel`` lays the dense parameters
 (and data-parallel tables) out with a graphshard ``Plan`` (``Replicate``: DDP's semantics)
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from graphshard import _compat
 from graphshard.backend import graphshard_backend
 from graphshard.config import CompileConfig
 from graphshard.model_parallel import _plan, _state
@@ -73,6 +75,7 @@ class DistributedModelParallel(nn.Module):
                  sharders=None, init_data_parallel: bool = True, init_parameters: bool = True,
                  data_parallel_wrapper=None) -> None:
         super().__init__()
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
@@ -86,7 +89,8 @@ class DistributedModelParallel(nn.Module):
             )
         self.init_parameters = init_parameters
         self._dmp_wrapped_module = module
-        self._sharders = list(sharders) if sharders is not None else [EmbeddingBagCollectionSharder()]
+        self._sharders = (list(sharders) if sharders is not None
+                          else [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
         found = _plan.find_modules(module)
         world, rank = self._env.world_size, self._env.rank
         if plan is None:
@@ -96,7 +100,8 @@ class DistributedModelParallel(nn.Module):
         for fqn in plan.plan:
             if fqn not in known:
                 raise ValueError(
-                    f"the sharding plan names module {fqn!r}, which is not an EmbeddingBagCollection of this model; "
+                    f"the sharding plan names module {fqn!r}, which is not an EmbeddingBagCollection or "
+                    "EmbeddingCollection of this model; "
                     f"its embedding modules are {sorted(known) or 'none'}"
                 )
         self._plan = plan
@@ -138,7 +143,8 @@ class DistributedModelParallel(nn.Module):
         for s in self._sharders:
             if isinstance(mod, s.module_type):
                 return s
-        raise ValueError(f"no sharder in `sharders` handles {type(mod).__name__}; add EmbeddingBagCollectionSharder()")
+        raise ValueError(f"no sharder in `sharders` handles {type(mod).__name__}; add its TorchRec sharder "
+                         "(EmbeddingBagCollectionSharder() or EmbeddingCollectionSharder())")
 
     # ---- data parallelism and compilation ----
     def init_data_parallel(self) -> None:
@@ -162,11 +168,15 @@ class DistributedModelParallel(nn.Module):
         rules = {"": self._dense_spec}
         for coll in self._collections:
             for t in coll.plan.dp_tables:
-                rules[f"{coll.layout.fqns[0]}.embedding_bags.{t.name}"] = Replicate()
+                rules[f"{coll.layout.fqns[0]}.{coll.layout.attr}.{t.name}"] = Replicate()
         return rules
 
     def forward(self, *args, **kwargs) -> Any:
         _state.check_inputs(args, kwargs)
+        if any(c.layout.sequence for c in self._collections):
+            # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
+            with _compat.trace_data_dependent_outputs():
+                return self._dmp_wrapped_module(*args, **kwargs)
         return self._dmp_wrapped_module(*args, **kwargs)
 
     # ---- TorchRec's accessors ----

@@ -1,7 +1,7 @@
 """Which embedding modules DMP shards, under which plan, with which fused optimizer.
 
 - Each sharded module is found once by identity, with every FQN it is reachable under (two
-  towers holding one ``EmbeddingBagCollection``). The plan may name any of those FQNs; the
+  towers holding one ``EmbeddingBagCollection``; an ``EmbeddingCollection`` likewise). The plan may name any of those FQNs; the
   same plan under several of them is one plan, two different plans for one module is an error.
 - ``plan=None``: table-wise, round-robin over the ranks, fused kernel (until graphshard's
   planner exists); ``explain`` prints it.
@@ -29,27 +29,20 @@ class Sharded:
     sharder: object
 
 
-def _ebc_type():
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+def _embedding_types() -> tuple[type, ...]:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    return EmbeddingBagCollection
+    return EmbeddingBagCollection, EmbeddingCollection
 
 
 def find_modules(model: nn.Module) -> dict[int, tuple[nn.Module, list[str]]]:
-    """Sharding candidates (TorchRec ``EmbeddingBagCollection`` s) by identity, with all their FQNs."""
+    """Sharding candidates (TorchRec ``EmbeddingBagCollection`` s and ``EmbeddingCollection`` s) by
+    identity, with all their FQNs."""
     found: dict[int, tuple[nn.Module, list[str]]] = {}
-    ebc = _ebc_type()
+    kinds = _embedding_types()
     for fqn, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, ebc):
+        if isinstance(mod, kinds):
             found.setdefault(id(mod), (mod, []))[1].append(fqn)
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-
-    for fqn, mod in model.named_modules():
-        if isinstance(mod, EmbeddingCollection):
-            raise NotImplementedError(
-                f"{fqn!r} is an EmbeddingCollection (sequence embeddings); graphshard's DistributedModelParallel "
-                "shards EmbeddingBagCollection so far"
-            )
     return found
 
 
@@ -78,10 +71,12 @@ def round_robin(found: dict, world: int, device_type: str) -> dict[str, dict]:
     """Table-wise plans, tables placed on ranks 0, 1, ... in order across modules, fused kernel."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 
+    from graphshard.sparse.torchrec import table_configs
+
     plans, rank = {}, 0
     for mod, fqns in found.values():
         per_param = {}
-        for cfg in mod.embedding_bag_configs():
+        for cfg in table_configs(mod):
             per_param[cfg.name] = table_wise(rank=rank % world, compute_kernel="fused")
             rank += 1
         plans[fqns[0]] = construct_module_sharding_plan(mod, per_param_sharding=per_param, world_size=world,

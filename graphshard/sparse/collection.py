@@ -18,6 +18,7 @@ import torch.nn as nn
 from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
+from graphshard.sparse.sequence import row_starts, sequence_lookup, width_groups
 
 _COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -36,6 +37,16 @@ def new_key(fqn: str) -> str:
 
 def _distinct_tables(tables) -> list[TableLayout]:
     return list({t.name: t for t in tables}.values())
+
+
+def _distinct_shards(slots) -> list[tuple[TableLayout, TableShard]]:
+    """The (table, shard) pairs of ``slots``, each once, in first-use order."""
+    return list({(s.table.name, s.shard): (s.table, s.shard) for s in slots}.values())
+
+
+def _rows(t: torch.Tensor | None, start: int | None, rows: int):
+    """Rows ``start ..`` of a stacked table (or its optimizer state); the whole of it when ``start`` is None."""
+    return t if t is None or start is None else t[start:start + rows]
 
 
 class NoTables(nn.Module):
@@ -63,8 +74,9 @@ class SparseCollection:
     """
 
     def __init__(self, layout: CollectionLayout, weights: dict[str, torch.Tensor], dp_params: dict[str, nn.Parameter],
-                 fused_params: dict, bounds_check: bool = True):
+                 fused_params: dict, bounds_check: bool = True, need_indices: bool = False):
         layout.check()
+        self.need_indices = need_indices
         self.layout = layout
         self.plan: LocalPlan = local_plan(layout)
         self.fused_params = dict(fused_params)
@@ -75,29 +87,44 @@ class SparseCollection:
         rank = layout.rank
         twrw_here = [self.plan.twrw_features[i][0] for i in (self.plan.twrw_by_host[rank // layout.local_world]
                                                              if self.plan.twrw_features else [])]
-        groups = {
-            "a2a": list({(s.table.name, s.shard): (s.table, s.shard) for s in self.plan.a2a_slots[rank]}.values()),
-            "rw": [(t, t.shard_on(rank)[0]) for t in _distinct_tables(t for t, _ in self.plan.rw_features)],
-            "twrw": [(t, t.shard_on(rank)[0]) for t in _distinct_tables(twrw_here)],
-        }
-        present = {"a2a": any(self.plan.a2a_slots), "rw": bool(self.plan.rw_features),
-                   "twrw": bool(self.plan.twrw_features)}
+        rw_here = [(t, t.shard_on(rank)[0]) for t in _distinct_tables(t for t, _ in self.plan.rw_features)]
+        if layout.sequence:  # one group per shard width, and row-wise; see sequence.py
+            groups = {g.name: _distinct_shards(g.slots[rank]) for g in width_groups(self.plan)}
+            present = dict.fromkeys(groups, True)
+        else:
+            groups = {"a2a": _distinct_shards(self.plan.a2a_slots[rank])}
+            present = {"a2a": any(self.plan.a2a_slots)}
+        groups.update(rw=rw_here, twrw=[(t, t.shard_on(rank)[0]) for t in _distinct_tables(twrw_here)])
+        present.update(rw=bool(self.plan.rw_features), twrw=bool(self.plan.twrw_features))
         for name, shards in groups.items():
             if not shards:
                 if present[name]:  # the group's collectives run on every rank, this one's lookup is empty
                     self.tbes[name] = NoTables(self.fused_params)
                 continue
-            slots = [TBESlot(i, f"feature {f!r} (table {t.name!r})") for i, (t, _) in enumerate(shards) for f in t.features]
-            tbe = FusedTBE([(s.rows, s.cols) for _, s in shards], slots, fused_params=self.fused_params,
-                           row_offsets=[s.row_offset for _, s in shards], bounds_check=False,
-                           grad_scale=1.0 / layout.world)
-            with torch.no_grad():
-                for i, (t, s) in enumerate(shards):
-                    w = weights[t.name]
-                    tbe.table(i).copy_(w[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
-                    self.pieces.setdefault(t.name, []).append((s, name, i))
-            self.tbes[name] = tbe
+            self.tbes[name] = self._fused(name, shards, weights)
         _COLLECTIONS[layout.key] = self
+
+    def _fused(self, name: str, shards: list[tuple[TableLayout, TableShard]], weights) -> FusedTBE:
+        """One group's TBE holding ``shards``, with this rank's pieces of ``weights`` copied in. A
+        sequence group's shards (one width) are stacked into one table of the TBE."""
+        common = dict(fused_params=self.fused_params, bounds_check=False, grad_scale=1.0 / self.layout.world)
+        if self.layout.sequence:
+            starts = row_starts([s for _, s in shards])
+            tbe = FusedTBE([(sum(s.rows for _, s in shards), shards[0][1].cols)],
+                           [TBESlot(0, f"the stacked shards of {[t.name for t, _ in shards]}")],
+                           row_offsets=[0], **common)
+            where = [(0, start) for start in starts]
+        else:
+            slots = [TBESlot(i, f"feature {f!r} (table {t.name!r})") for i, (t, _) in enumerate(shards) for f in t.features]
+            tbe = FusedTBE([(s.rows, s.cols) for _, s in shards], slots, row_offsets=[s.row_offset for _, s in shards],
+                           **common)
+            where = [(i, None) for i in range(len(shards))]
+        with torch.no_grad():
+            for (t, s), (i, start) in zip(shards, where):
+                self.pieces.setdefault(t.name, []).append((s, name, i, start))
+                piece = _rows(tbe.table(i), start, s.rows)
+                piece.copy_(weights[t.name][s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+        return tbe
 
     # ---- what the program reads ----
     def state_tensors(self) -> list[torch.Tensor]:
@@ -108,14 +135,18 @@ class SparseCollection:
         return [isinstance(t, torch.Tensor) and t.requires_grad for t in self.state_tensors()]
 
     def run(self, values, lengths, weights, state, keys, constants=None):
+        if self.layout.sequence:
+            return sequence_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
+                                   list(state), torch.float32, constants, self.bounds_check, self.need_indices)
         return sharded_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
                               weights, list(state), torch.float32, constants, self.bounds_check)
 
-    def run_uses(self, uses: list, state, constants=None) -> list[torch.Tensor]:
+    def run_uses(self, uses: list, state, constants=None) -> list:
         """Several lookups of this collection in one step (a module reachable under several FQNs),
         as one: the uses' batches side by side, one input distribution, one lookup, one output
         distribution, so the fused optimizer applies the sum of the uses' gradients once.
-        ``uses``: (values, lengths, weights, keys) each, equal batch sizes."""
+        ``uses``: (values, lengths, weights, keys) each, equal batch sizes. Returns each use's
+        result (a sequence collection's: its list of per-feature tensors)."""
         if len(uses) == 1:
             values, lengths, weights, keys = uses[0]
             return [self.run(values, lengths, weights, state, keys, constants)]
@@ -135,7 +166,17 @@ class SparseCollection:
         # rows (use, feature) -> (feature, use): each feature's bags are the uses' batches in turn
         merged = permute_rows([u * f + i for i in range(f) for u in range(n)], lengths2d, values, weights)
         out = self.run(merged[1], merged[0].reshape(-1), merged[2], state, features, constants)
-        return list(out.split(batch))
+        if not self.layout.sequence:
+            return list(out.split(batch))
+        # each feature's rows (then, with need_indices, its ids): the uses' ids in turn
+        counts = torch.stack([p[0].sum(1) for p in parts]).tolist()  # per use, per feature
+        per_use: list[list[torch.Tensor]] = [[] for _ in uses]
+        for i, rows in enumerate(out):
+            sizes = [counts[u][i % f] for u in range(n)]
+            torch._check(rows.shape[0] == sum(sizes))
+            for u, piece in enumerate(rows.split(sizes)):
+                per_use[u].append(piece)
+        return per_use
 
     # ---- what the state dict and the optimizer read ----
     def fused(self) -> list[FusedTBE]:
@@ -144,11 +185,11 @@ class SparseCollection:
 
     def local_pieces(self, table: str) -> list[tuple[TableShard, torch.Tensor]]:
         """This rank's pieces of a sharded table, each a view of the TBE's weights."""
-        return [(s, self.tbes[name].table(i)) for s, name, i in self.pieces.get(table, [])]
+        return [(s, _rows(self.tbes[name].table(i), start, s.rows)) for s, name, i, start in self.pieces.get(table, [])]
 
     def local_state(self, table: str) -> list[tuple[TableShard, torch.Tensor | None]]:
         """This rank's pieces of a table's fused optimizer state (row-wise Adagrad: one value per row)."""
-        return [(s, self.tbes[name].state(i)) for s, name, i in self.pieces.get(table, [])]
+        return [(s, _rows(self.tbes[name].state(i), start, s.rows)) for s, name, i, start in self.pieces.get(table, [])]
 
     def table(self, name: str) -> TableLayout:
         return next(t for t in self.layout.tables if t.name == name)

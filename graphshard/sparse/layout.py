@@ -1,7 +1,8 @@
 """Where each embedding table's rows and columns live: the facts the sharded lookup is built from.
 
-A *collection* is one embedding module (TorchRec's ``EmbeddingBagCollection``): tables, each
-looked up by one or more features, pooled per sample. Each table has a sharding type and its
+A *collection* is one embedding module: tables, each looked up by one or more features. A
+pooled collection (TorchRec's ``EmbeddingBagCollection``) pools each feature's ids per sample;
+a sequence collection (``EmbeddingCollection``, ``sequence=True``) returns one row per id. Each table has a sharding type and its
 shards (a rank, a block of rows, a block of columns):
 
 - ``table_wise``: one shard, the whole table, on one rank;
@@ -122,6 +123,8 @@ class CollectionLayout:
     cross_group: str | None = None  # c10d group of the ranks with this rank's local index (table-row-wise: all-to-all)
     global_ranks: tuple[int, ...] | None = None  # the group's ranks in the default group (None: the same)
     all_groups: tuple[tuple[int, ...], ...] | None = None  # every group along the axis (N-D mesh), same on all ranks
+    sequence: bool = False  # one row per id (EmbeddingCollection), not pooled per sample
+    attr: str = "embedding_bags"  # the module's table container, as the state dict names it
 
     @property
     def hosts(self) -> int:
@@ -154,6 +157,16 @@ class CollectionLayout:
                         "each feature names one table"
                     )
                 seen[f] = t.name
+            if self.sequence and t.sharding_type == "table_row_wise":
+                raise NotImplementedError(
+                    f"{self.fqns[0]}: table {t.name!r} is table_row_wise; sequence embeddings (EmbeddingCollection) "
+                    "are sharded table_wise, column_wise, row_wise or data_parallel (as TorchRec's sharder allows)"
+                )
+            if self.sequence and t.embedding_dim != self.tables[0].embedding_dim:
+                raise ValueError(
+                    f"{self.fqns[0]}: table {t.name!r} has dim {t.embedding_dim}, table {self.tables[0].name!r} "
+                    f"{self.tables[0].embedding_dim}; the tables of a sequence collection share one dim"
+                )
             if self.weighted and t.pooling == "mean":
                 raise NotImplementedError(
                     f"{self.fqns[0]}: table {t.name!r} pools by mean with per-sample weights; "

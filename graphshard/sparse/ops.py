@@ -6,6 +6,11 @@ user's module computes, as one node with the output's shape (``[batch, total_dim
 (``program.sharded_lookup``). Run eagerly it computes the same forward (a debugging path, no
 gradient: a sharded collection trains compiled).
 
+``graphshard::embedding_seqs`` is the same for a sequence collection (TorchRec's
+``EmbeddingCollection``): each feature's rows, one per id (``[ids, dim]``; the counts are the
+data's, so the fake impl gives each a new unbacked size), then, with ``need_indices``, each
+feature's ids.
+
 ``graphshard::check_ids`` is the input's bounds check: every id of a feature must lie in its
 table's rows; the error names the feature and the table.
 """
@@ -17,6 +22,8 @@ import torch
 lib = torch.library.Library("graphshard", "FRAGMENT")
 lib.define("embedding_bags(Tensor values, Tensor lengths, Tensor? weights, Tensor[] state, str key, "
            "str[] keys, int total_dim) -> Tensor")
+lib.define("embedding_seqs(Tensor values, Tensor lengths, Tensor[] state, str key, str[] keys, int dim, "
+           "int features, bool need_indices) -> Tensor[]")
 lib.define("check_ids(Tensor values, Tensor lengths, int[] limits, str names) -> Tensor")
 
 
@@ -47,6 +54,25 @@ torch.library.register_autograd("graphshard::embedding_bags", _embedding_bags_ba
                                 setup_context=_embedding_bags_setup)
 
 
+def _embedding_seqs_eager(values, lengths, state, key, keys, dim, features, need_indices):
+    from graphshard.sparse.collection import collection_for
+
+    return collection_for(key).run(values, lengths, None, list(state), list(keys))
+
+
+def _embedding_seqs_fake(values, lengths, state, key, keys, dim, features, need_indices):
+    ctx = torch.library.get_ctx()
+    sizes = [ctx.new_dynamic_size() for _ in range(features)]
+    rows = [values.new_empty((n, dim), dtype=torch.float32) for n in sizes]
+    return rows + ([values.new_empty(n) for n in sizes] if need_indices else [])
+
+
+torch.library.impl(lib, "embedding_seqs", "CompositeExplicitAutograd")(_embedding_seqs_eager)
+torch.library.register_fake("graphshard::embedding_seqs")(_embedding_seqs_fake)
+torch.library.register_autograd("graphshard::embedding_seqs", _embedding_bags_backward,
+                                setup_context=lambda ctx, inputs, output: setattr(ctx, "key", inputs[3]))
+
+
 def _check_ids_eager(values, lengths, limits, names):
     from graphshard.kernels.fbgemm_tbe import first_out_of_range
 
@@ -65,3 +91,16 @@ torch.library.impl(lib, "check_ids", "CompositeExplicitAutograd")(_check_ids_eag
 torch.library.register_fake("graphshard::check_ids")(lambda values, lengths, limits, names: torch.empty_like(values))
 
 ops = torch.ops.graphshard
+
+
+def lookup_args(node) -> tuple | None:
+    """A graph node's (values, lengths, weights, state, key, keys) if it is a logical lookup
+    (pooled or sequence), else None."""
+    if node.op != "call_function":
+        return None
+    if node.target == ops.embedding_bags.default:
+        return tuple(node.args[:6])
+    if node.target == ops.embedding_seqs.default:
+        values, lengths, state, key, keys = node.args[:5]
+        return values, lengths, None, state, key, keys
+    return None

@@ -104,27 +104,40 @@ def permute_features(values, lengths, weights, keys: list[str], features: list[s
     return permute_rows([kpos[f] for f in features], lengths.view(len(keys), -1), values, weights)
 
 
-def permute_rows(rows: list[int], lengths2d, values, weights):
-    """The KJT's features ``rows`` (repeats allowed), in that order."""
+def permute_rows(rows: list[int], lengths2d, values, weights, total=None):
+    """The KJT's features ``rows`` (repeats allowed), in that order. ``total``: the selected ids'
+    count where the caller knows it (keeps the traced sizes one expression, not a new unknown)."""
     if rows == list(range(lengths2d.shape[0])):
         return lengths2d, values, weights
     index = torch.tensor(rows, dtype=torch.int32, device=lengths2d.device)
-    out = torch.ops.fbgemm.permute_2D_sparse_data(index, lengths2d, values, weights, None)
+    out = torch.ops.fbgemm.permute_2D_sparse_data(index, lengths2d, values, weights, total)
     return out[0], out[1], out[2]
 
 
-def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int):
-    """All-to-all of a KJT whose features are grouped by destination (``send[d]`` features for rank d);
-    returns this rank's ``recv_features`` features over the world's batch, feature-major."""
+def send_ids(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int,
+             in_splits: list | None = None):
+    """All-to-all of a KJT whose features are grouped by destination (``send[d]`` features for rank d):
+    this rank's ``recv_features`` features from each rank in turn (source-major), and the ids' split
+    sizes (sent, received). ``in_splits``: the ids sent to each rank, where the caller has them."""
     flat = lengths2d.reshape(-1)
     sizes = [n * batch for n in send]
-    owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=flat.device)
-    in_counts = torch.zeros(world, dtype=flat.dtype, device=flat.device).index_add(0, owner, lengths2d.sum(1))
     recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, sizes, group)
     out_counts = recv_lengths.view(world, recv_features * batch).sum(1)
-    in_splits, out_splits = in_counts.tolist(), out_counts.tolist()
+    if in_splits is None:
+        owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=flat.device)
+        in_counts = torch.zeros(world, dtype=flat.dtype, device=flat.device).index_add(0, owner, lengths2d.sum(1))
+        in_splits = in_counts.tolist()
+    out_splits = out_counts.tolist()
     recv_values = ops.all_to_all(values, out_splits, in_splits, group)
     recv_weights = ops.all_to_all(weights, out_splits, in_splits, group) if weights is not None else None
+    return recv_lengths, recv_values, recv_weights, in_splits, out_splits
+
+
+def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int):
+    """``send_ids``, the received features regrouped feature-major over the world's batch (each
+    feature's bags: rank 0's samples, rank 1's, ...), as a pooled TBE reads them."""
+    recv_lengths, recv_values, recv_weights, _, _ = send_ids(lengths2d, values, weights, send, recv_features, batch,
+                                                             group, world)
     if recv_features == 0:
         return recv_lengths, recv_values, recv_weights
     recat = [s * recv_features + j for j in range(recv_features) for s in range(world)]
@@ -146,16 +159,34 @@ def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dt
     return tbe.lookup_with(token, w, momentum, lr, values, offsets, weights, constants)
 
 
-GROUPS = ("a2a", "rw", "twrw")
-"""The lookup groups, in state order: table- and column-wise, row-wise, table-row-wise."""
 STATE = ("token", "weights", "momentum", "lr")
 """What the program reads of each group's TBE (or its stand-in), in order."""
 
 
 def group_state(tbes) -> list[torch.Tensor]:
-    """The TBE tensors the program reads, in its order. A module's installed forward reads them
+    """The TBE tensors the program reads, in its order: the groups' (``tbes``, a ModuleDict built
+    once in a fixed order), each group's ``STATE``. A module's installed forward reads them
     through its own ``_graphshard_tbes`` (so dynamo sees module buffers)."""
-    return [getattr(tbes[name], attr) for name in GROUPS if name in tbes for attr in STATE]
+    return [getattr(tbe, attr) for tbe in tbes.values() for attr in STATE]
+
+
+def split_state(tbes, state: list) -> tuple[dict, list]:
+    """``state`` (as ``group_state`` lists it, then the data-parallel tables' weights) -> the
+    groups' tensors by group name, and the data-parallel weights."""
+    per_group, at = {}, 0
+    for name in tbes:
+        per_group[name], at = state[at:at + len(STATE)], at + len(STATE)
+    return per_group, state[at:]
+
+
+def check_ids(layout: CollectionLayout, keys: list[str], values, lengths):
+    """The bounds check, where the user gave the ids (global ids, named features)."""
+    kpos = {k: i for i, k in enumerate(keys)}
+    limits, names = [-1] * len(keys), ["an unused feature"] * len(keys)
+    for t in layout.tables:
+        for f in t.features:
+            limits[kpos[f]], names[kpos[f]] = t.num_embeddings, f"feature {f!r} (table {t.name!r})"
+    return sparse_ops.check_ids(values, lengths, limits, "\n".join(names))
 
 
 def _bucketize(rows: list[int], lengths2d, values, weights, blocks: list[int], buckets: int):
@@ -222,20 +253,10 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     kpos = {k: i for i, k in enumerate(keys)}
     batch = lengths.shape[0] // len(keys)
     lengths2d = lengths.view(len(keys), batch)
-    if bounds_check:  # ids are checked where the user gave them (global ids, named features)
-        limits, names = [-1] * len(keys), ["an unused feature"] * len(keys)
-        for t in layout.tables:
-            for f in t.features:
-                limits[kpos[f]], names[kpos[f]] = t.num_embeddings, f"feature {f!r} (table {t.name!r})"
-        values = sparse_ops.check_ids(values, lengths, limits, "\n".join(names))
+    if bounds_check:
+        values = check_ids(layout, keys, values, lengths)
     parts = []
-    at = 0
-
-    per_group = {}
-    for name in GROUPS:
-        if name in tbes:
-            per_group[name], at = state[at:at + len(STATE)], at + len(STATE)
-    dp_weights = state[at:]
+    per_group, dp_weights = split_state(tbes, state)
 
     if any(plan.a2a_slots):
         send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]

@@ -99,8 +99,13 @@ def table_dtensor(coll, table: str) -> DTensor:
     return _dtensor(coll, table, ranks, pl)
 
 
+def weight_key(coll, fqn: str, table: str) -> str:
+    """A table's weight in the state dict of the module under ``fqn``: TorchRec's name."""
+    return f"{fqn + '.' if fqn else ''}{coll.layout.attr}.{table}.weight"
+
+
 def table_entries(coll, prefix: str) -> dict[str, DTensor]:
-    return {f"{prefix}embedding_bags.{name}.weight": _dtensor(coll, name, ranks, pl)
+    return {f"{prefix}{coll.layout.attr}.{name}.weight": _dtensor(coll, name, ranks, pl)
             for name, (ranks, pl) in _meshes(coll).items()}
 
 
@@ -128,10 +133,10 @@ def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
         for t in coll.layout.tables:
             if not t.fused:
                 continue
-            key = f"{prefix}{fqn + '.' if fqn else ''}embedding_bags.{t.name}.weight"
+            key = prefix + weight_key(coll, fqn, t.name)
             if key not in state:
                 if fqn == coll.layout.fqns[0] and not any(
-                        f"{prefix}{f + '.' if f else ''}embedding_bags.{t.name}.weight" in state for f in coll.layout.fqns):
+                        prefix + weight_key(coll, f, t.name) in state for f in coll.layout.fqns):
                     missing.append(key)
                 continue
             load_table(coll, t, state.pop(key), key)
@@ -163,7 +168,7 @@ def optimizer_entries(coll) -> dict[str, dict]:
     if not coll.fused() or coll.fused()[0].optimizer == "sgd":
         return {}
     fqn = coll.layout.fqns[0]
-    return {f"{fqn + '.' if fqn else ''}embedding_bags.{name}.weight": {"momentum1": _state_layout(coll, name, ranks, pl)}
+    return {weight_key(coll, fqn, name): {"momentum1": _state_layout(coll, name, ranks, pl)}
             for name, (ranks, pl) in _meshes(coll).items()}
 
 
@@ -175,7 +180,7 @@ def load_optimizer_entries(coll, state: dict) -> None:
     for t in coll.layout.tables:
         if not t.fused or kind in (None, "sgd"):
             continue
-        key = f"{fqn + '.' if fqn else ''}embedding_bags.{t.name}.weight"
+        key = weight_key(coll, fqn, t.name)
         if key not in state:
             raise ValueError(f"the fused optimizer state has no entry for {key!r}; it has {sorted(state)}")
         value = state[key]["momentum1"]

@@ -1,13 +1,14 @@
 """TorchRec's types in graphshard's sharded embeddings (TorchRec is an optional dependency).
 
-- ``collection_layout``: a TorchRec ``EmbeddingBagCollection`` and its module sharding plan
+- ``collection_layout``: a TorchRec ``EmbeddingBagCollection`` (or ``EmbeddingCollection``) and its module sharding plan
   (``ParameterSharding`` per table, as ``construct_module_sharding_plan`` and the
   ``table_wise`` / ``row_wise`` / ``column_wise`` / ``data_parallel`` helpers make them) ->
   graphshard's ``CollectionLayout``.
 - ``install``: the collection's sharded state goes under the user's module (its fused tables'
   parameters are replaced by the TBEs), and the module's forward becomes the logical lookup
-  ``graphshard::embedding_bags`` on the KJT, returning TorchRec's ``KeyedTensor``. The module
-  object, its class and its FQN stay the user's.
+  ``graphshard::embedding_bags`` on the KJT, returning TorchRec's ``KeyedTensor``
+  (``graphshard::embedding_seqs``, returning ``{name: JaggedTensor}``, for an
+  ``EmbeddingCollection``). The module object, its class and its FQN stay the user's.
 """
 
 from __future__ import annotations
@@ -25,15 +26,23 @@ from graphshard.sparse.program import group_state
 _POOLING = {"SUM": "sum", "MEAN": "mean"}
 
 
+def is_sequence(module: nn.Module) -> bool:
+    """An ``EmbeddingCollection`` (one row per id), not an ``EmbeddingBagCollection``."""
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    return isinstance(module, EmbeddingCollection)
+
+
 def table_configs(module: nn.Module) -> list:
-    """The module's ``EmbeddingBagConfig`` s, in its output order."""
-    return list(module.embedding_bag_configs())
+    """The module's table configs (``EmbeddingBagConfig`` s or ``EmbeddingConfig`` s), in its output order."""
+    return list(module.embedding_configs() if is_sequence(module) else module.embedding_bag_configs())
 
 
 def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dict, *, world: int, rank: int,
                       group: str, key: str, hosts: tuple | None = None) -> CollectionLayout:
     """``module_plan``: table name -> TorchRec ``ParameterSharding``. Every table needs an entry."""
     configs = table_configs(module)
+    sequence = is_sequence(module)
     names = [c.name for c in configs]
     unknown = sorted(set(module_plan) - set(names))
     if unknown:
@@ -50,7 +59,7 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
     tables = []
     for c in configs:
         ps = module_plan[c.name]
-        pooling = _POOLING.get(getattr(c.pooling, "name", str(c.pooling)))
+        pooling = "sum" if sequence else _POOLING.get(getattr(c.pooling, "name", str(c.pooling)))
         if pooling is None:
             raise NotImplementedError(f"{fqns[0]}: table {c.name!r} pools by {c.pooling}; graphshard pools by SUM or MEAN")
         st = str(ps.sharding_type)
@@ -74,31 +83,29 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
             )
         tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
     local_world, host_group, cross_group = hosts or (None, None, None)
-    return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables), weighted=bool(module.is_weighted()),
-                            world=world, rank=rank, group=group, local_world=local_world, host_group=host_group,
-                            cross_group=cross_group)
+    return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables),
+                            weighted=False if sequence else bool(module.is_weighted()), world=world, rank=rank,
+                            group=group, local_world=local_world, host_group=host_group, cross_group=cross_group,
+                            sequence=sequence, attr="embeddings" if sequence else "embedding_bags")
 
 
 def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
     """Shards ``module``'s tables by ``layout`` on this rank and makes its forward the logical lookup."""
-    bags = module.embedding_bags
-    weights = {t.name: bags[t.name].weight.detach() for t in layout.tables}
-    dp = {t.name: bags[t.name].weight for t in layout.tables if not t.fused}
-    coll = SparseCollection(layout, weights, dp, fused_params, bounds_check)
+    tables = getattr(module, layout.attr)
+    weights = {t.name: tables[t.name].weight.detach() for t in layout.tables}
+    dp = {t.name: tables[t.name].weight for t in layout.tables if not t.fused}
+    coll = SparseCollection(layout, weights, dp, fused_params, bounds_check,
+                            need_indices=layout.sequence and module.need_indices())
     for t in layout.tables:
         if t.fused:  # the TBE holds it now; the state dict shows it as a sharded tensor
-            del bags[t.name]._parameters["weight"]
+            del tables[t.name]._parameters["weight"]
     module._graphshard_tbes = coll.tbes
     module._graphshard_sparse = coll
-    module.forward = types.MethodType(_forward, module)
+    module.forward = types.MethodType(_sequence_forward if layout.sequence else _forward, module)
     return coll
 
 
-def _forward(self, features):
-    from torchrec.sparse.jagged_tensor import KeyedTensor
-
-    coll: SparseCollection = self._graphshard_sparse
-    layout = coll.layout
+def _checked_keys(layout: CollectionLayout, features) -> list[str]:
     keys = list(features.keys())
     missing = [f for f in layout.features if f not in keys]
     if missing:
@@ -108,6 +115,34 @@ def _forward(self, features):
         )
     if features.variable_stride_per_key():
         raise NotImplementedError(f"{layout.fqns[0]}: a KeyedJaggedTensor with a variable batch per feature")
+    return keys
+
+
+def _sequence_forward(self, features):
+    """TorchRec's ``EmbeddingCollection.forward``: ``{embedding name: JaggedTensor}`` of each
+    feature's rows, with the feature's lengths (and its ids as weights with ``need_indices``)."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    coll: SparseCollection = self._graphshard_sparse
+    layout = coll.layout
+    keys = _checked_keys(layout, features)
+    lengths = features.lengths()
+    out = sparse_ops.embedding_seqs(features.values(), lengths, _state(self, coll), layout.key, keys,
+                                    layout.tables[0].embedding_dim, len(layout.features), coll.need_indices)
+    lengths2d = lengths.view(len(keys), -1)
+    names = [n for per_table in self.embedding_names_by_table() for n in per_table]
+    n = len(layout.features)
+    return {name: JaggedTensor(values=out[i], lengths=lengths2d[keys.index(f)],
+                               weights=out[n + i] if coll.need_indices else None)
+            for i, (name, f) in enumerate(zip(names, layout.features))}
+
+
+def _forward(self, features):
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    coll: SparseCollection = self._graphshard_sparse
+    layout = coll.layout
+    keys = _checked_keys(layout, features)
     weights = features.weights_or_none() if layout.weighted else None
     if layout.weighted and weights is None:
         raise ValueError(f"{layout.fqns[0]} is weighted (is_weighted=True): the KeyedJaggedTensor needs weights")
@@ -119,4 +154,5 @@ def _forward(self, features):
 
 def _state(module: nn.Module, coll: SparseCollection) -> list[torch.Tensor]:
     """The program's state read through the module (so dynamo sees module buffers and parameters)."""
-    return group_state(module._graphshard_tbes) + [module.embedding_bags[t.name].weight for t in coll.plan.dp_tables]
+    tables = getattr(module, coll.layout.attr)
+    return group_state(module._graphshard_tbes) + [tables[t.name].weight for t in coll.plan.dp_tables]

@@ -4,7 +4,9 @@ Each CASE is ``model:optimizer``: ``model`` dlrm (TorchRec's ``torchrec.models.d
 tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel), dlrm4
 (4 ranks as 2 hosts x 2: table-row-wise on each host, one with mean pooling, table-wise,
 row-wise, data-parallel), weighted (a weighted collection: per-sample weights in the KJT;
-table-wise, row-wise, column-wise) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
+table-wise, row-wise, column-wise), seq (an ``EmbeddingCollection``, one row per id, and a head
+over each feature's padded sequence: table-wise, row-wise, column-wise, a second table-wise
+table beside a column block, data-parallel) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
 row-wise tables); flag ``fsdp``: graphshard's dense part sharded (``FullyShardDense``; TorchRec's stays DDP);
 ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
 ``fused_params``), or inbackward_<one of those> (from TorchRec's ``apply_optimizer_in_backward``).
@@ -34,6 +36,7 @@ STEPS = 4
 BATCH = 8      # per rank
 DENSE_IN = 8
 DIM = 8
+SEQ = 4        # a sequence feature's padded length (ids per sample are 0..3)
 LR = 0.05
 EPS = 1e-8
 
@@ -47,6 +50,16 @@ def _trec():
 
 def _tables(model: str):
     EmbeddingBagConfig, PoolingType, _ = _trec()
+    if model == "seq":
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+
+        return [
+            EmbeddingConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0", "f1"]),
+            EmbeddingConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f2"]),
+            EmbeddingConfig(name="t_cw", embedding_dim=DIM, num_embeddings=24, feature_names=["f3"]),
+            EmbeddingConfig(name="t_tw2", embedding_dim=DIM, num_embeddings=20, feature_names=["f4"]),
+            EmbeddingConfig(name="t_dp", embedding_dim=DIM, num_embeddings=12, feature_names=["f5"]),
+        ]
     if model == "dlrm4":
         return [
             EmbeddingBagConfig(name="t_twrw0", embedding_dim=DIM, num_embeddings=45, feature_names=["f0", "f1"]),
@@ -85,6 +98,11 @@ def _sharding(model: str, world: int) -> dict:
         return {"t_twrw0": _fused_kernel(table_row_wise(host_index=0)), "t_twrw1": _fused_kernel(table_row_wise(host_index=1)),
                 "t_tw": table_wise(rank=3, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
                 "t_dp": data_parallel()}
+    if model == "seq":  # t_tw2 on the rank that holds a column block of t_cw: two widths there
+        return {"t_tw": table_wise(rank=0, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
+                "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused),
+                "t_tw2": table_wise(rank=world - 1, compute_kernel=fused),
+                "t_dp": data_parallel() if "dp" in _FLAGS else table_wise(rank=0, compute_kernel=fused)}
     if model == "weighted":
         return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
                 "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused)}
@@ -126,6 +144,21 @@ class Weighted(nn.Module):
         return self.head(self.ebc(kjt).values())
 
 
+class Sequence(nn.Module):
+    """An ``EmbeddingCollection`` (one row per id) and a head over each feature's padded sequence."""
+
+    def __init__(self, ec: nn.Module, features: list[str]):
+        super().__init__()
+        self.ec = ec
+        self.features = features
+        self.head = nn.Linear(len(features) * SEQ * DIM, 1)
+
+    def forward(self, kjt):
+        seqs = self.ec(kjt)
+        x = torch.cat([seqs[f].to_padded_dense(SEQ).flatten(1) for f in self.features], dim=1)
+        return self.head(x)
+
+
 class TwoTower(nn.Module):
     def __init__(self, ebc: nn.Module, width: int):
         super().__init__()
@@ -140,6 +173,11 @@ def build(model: str) -> nn.Module:
     _, _, EmbeddingBagCollection = _trec()
     torch.manual_seed(0)
     tables = _tables(model)
+    if model == "seq":
+        from torchrec.modules.embedding_modules import EmbeddingCollection
+
+        return Sequence(EmbeddingCollection(tables=tables, device=torch.device("cpu")),
+                        [f for t in tables for f in t.feature_names])
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"), is_weighted=model == "weighted")
     if model == "weighted":
         return Weighted(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
@@ -173,13 +211,16 @@ def batch(model: str, step: int, rank: int):
     labels = torch.randint(0, 2, (BATCH,), generator=gen).float()
     if model in ("dlrm", "dlrm4"):
         return (torch.randn(BATCH, DENSE_IN, generator=gen), _kjt(model, gen)), labels
-    if model == "weighted":
+    if model in ("weighted", "seq"):
         return (_kjt(model, gen),), labels
     return (_kjt(model, gen), _kjt(model, gen)), labels
 
 
 def loss_of(out, labels):
     return nn.functional.binary_cross_entropy_with_logits(out.reshape(-1), labels)
+
+
+_FLAGS: list[str] = []  # the running case's flags
 
 
 def _fused(optimizer: str) -> dict:
@@ -202,12 +243,26 @@ def _plan(model: str, module: nn.Module, world: int):
 
 def _ebc_fqn(model: str) -> str:
     return {"dlrm": "sparse_arch.embedding_bag_collection", "dlrm4": "sparse_arch.embedding_bag_collection",
-            "weighted": "ebc"}.get(model, "query.ebc")
+            "weighted": "ebc", "seq": "ec"}.get(model, "query.ebc")
+
+
+def _attr(model: str) -> str:
+    return "embeddings" if model == "seq" else "embedding_bags"
 
 
 def _table_fqns(model: str) -> list[str]:
     base = _ebc_fqn(model)
-    return [f"{base}.embedding_bags.{t.name}.weight" for t in _tables(model)]
+    return [f"{base}.{_attr(model)}.{t.name}.weight" for t in _tables(model)]
+
+
+def _sharder(model: str, fused: dict):
+    if model == "seq":
+        from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+        return EmbeddingCollectionSharder(fused_params=dict(fused))
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    return EmbeddingBagCollectionSharder(fused_params=dict(fused))
 
 
 def _compat_sharded(value) -> bool:
@@ -262,7 +317,7 @@ def _step_reference(model, ref: nn.Module, opt_state: dict, optimizer: str, step
     plan = next(iter(_plan(model, ref, world).plan.values()))
     with torch.no_grad():
         for name, p in ref.named_parameters():
-            table = name.split(".")[-2] if ".embedding_bags." in name else None
+            table = name.split(".")[-2] if f".{_attr(model)}." in name else None
             if table in plan and plan[table].sharding_type != "data_parallel":
                 # the fused optimizer's update on each shard's columns (row-wise Adagrad keeps one
                 # value per row of each column block: a column-wise table's differs from a whole one's)
@@ -307,18 +362,45 @@ def _in_backward(model: str, module: nn.Module, optimizer: str, world: int) -> N
     cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad}[optimizer]
     plan = next(iter(_plan(model, module, world).plan.values()))
     ebc = module.get_submodule(_ebc_fqn(model))
-    params = [ebc.embedding_bags[t].weight for t, ps in plan.items() if ps.sharding_type != "data_parallel"]
+    params = [getattr(ebc, _attr(model))[t].weight for t, ps in plan.items() if ps.sharding_type != "data_parallel"]
     kwargs = {"lr": LR} if optimizer == "sgd" else {"lr": LR, "eps": EPS}
     apply_optimizer_in_backward(cls, params, kwargs)
 
 
+def _torchrec(model, base, init, env, fused, in_backward, optimizer, rank, world):
+    """TorchRec's DMP on the same program: (losses, full state, None), or (None, None, its error)
+    where TorchRec cannot run it (the error is the test's evidence)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.model_parallel import DistributedModelParallel as TorchRecDMP
+
+    tr_model = copy.deepcopy(base)
+    if in_backward:
+        _in_backward(model, tr_model, optimizer, world)
+    tr = TorchRecDMP(tr_model, env=env, device=torch.device("cpu"), plan=_plan(model, tr_model, world),
+                     sharders=[_sharder(model, fused)])
+    with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: copy the same initial weights in
+        for k, v in tr.state_dict().items():
+            if isinstance(v, ShardedTensor):
+                for s in v.local_shards():
+                    (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+                    s.tensor.copy_(init[k][r:r + nr, c:c + nc])
+            elif k in init:
+                v.copy_(init[k])
+    try:
+        losses = _train(tr, model, range(STEPS), rank, world)
+    except RuntimeError as e:
+        if model != "seq" or "dp" not in _FLAGS:
+            raise
+        return None, None, str(e).splitlines()[0]
+    return losses, {k: _full(v) for k, v in tr.state_dict().items()}, None
+
+
 def run(case: str) -> dict:
     model, optimizer, *flags = case.split(":")
+    _FLAGS[:] = flags
     rank, world = dist.get_rank(), dist.get_world_size()
     if model == "dlrm4":
         os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 hosts x 2 ranks (TorchRec and graphshard read it)
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel as TorchRecDMP
     from torchrec.distributed.types import ShardingEnv
 
     from graphshard.model_parallel import DistributedModelParallel as GraphshardDMP
@@ -337,7 +419,7 @@ def run(case: str) -> dict:
     from graphshard.model_parallel import FullyShardDense
 
     gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=_plan(model, gs_model, world),
-                       sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))],
+                       sharders=[_sharder(model, fused)],
                        data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
     gs_losses = _train(gs, model, range(STEPS), rank, world)
     gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
@@ -345,23 +427,7 @@ def run(case: str) -> dict:
 
     report = graphshard.explain(gs.module) if rank == 0 else ""
 
-    tr_model = copy.deepcopy(base)
-    if in_backward:
-        _in_backward(model, tr_model, optimizer, world)
-    tr = TorchRecDMP(tr_model, env=env, device=torch.device("cpu"), plan=_plan(model, tr_model, world),
-                     sharders=[EmbeddingBagCollectionSharder(fused_params=dict(fused))])
-    with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: copy the same initial weights in
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-        for k, v in tr.state_dict().items():
-            if isinstance(v, ShardedTensor):
-                for s in v.local_shards():
-                    (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
-                    s.tensor.copy_(init[k][r:r + nr, c:c + nc])
-            elif k in init:
-                v.copy_(init[k])
-    tr_losses = _train(tr, model, range(STEPS), rank, world)
-    tr_state = {k: _full(v) for k, v in tr.state_dict().items()}
+    tr_losses, tr_state, tr_error = _torchrec(model, base, init, env, fused, in_backward, optimizer, rank, world)
 
     ref = copy.deepcopy(base)
     opt_state: dict = {}
@@ -374,14 +440,15 @@ def run(case: str) -> dict:
     return {
         "case": case,
         "keys_graphshard": sorted(gs_state),
-        "keys_torchrec": sorted(tr_state),
+        "keys_torchrec": sorted(tr_state) if tr_state else None,
+        "torchrec_error": tr_error,
         "keys_reference": sorted(ref_state),
         "loss_gs_ref": max(abs(a - b) for a, b in zip(gs_losses, ref_losses)),
-        "loss_tr_ref": max(abs(a - b) for a, b in zip(tr_losses, ref_losses)),
-        "loss_gs_tr": max(abs(a - b) for a, b in zip(gs_losses, tr_losses)),
+        "loss_tr_ref": max(abs(a - b) for a, b in zip(tr_losses, ref_losses)) if tr_losses else None,
+        "loss_gs_tr": max(abs(a - b) for a, b in zip(gs_losses, tr_losses)) if tr_losses else None,
         "param_gs_ref": diff(gs_state, ref_state),
-        "param_tr_ref": diff(tr_state, ref_state),
-        "param_gs_tr": diff(gs_state, tr_state),
+        "param_tr_ref": diff(tr_state, ref_state) if tr_state else None,
+        "param_gs_tr": diff(gs_state, tr_state) if tr_state else None,
         "tables": _table_fqns(model),
         "moved": {k: float((ref_state[k] - init[k]).abs().max()) for k in ref_state if k in init},
         "explain": report,
