@@ -148,6 +148,8 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
+    if _sparse_collections(gm):  # a sequence lookup's output sizes are the data's
+        _compat.allow_data_dependent_sizes(fake_mode)
     traced = _trace_to_aten(gm, fake_inputs, fake_mode)
     keys = [n.args[1] for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.param.default]
     layouts = [n for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.layout.default]
@@ -158,8 +160,6 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
     ctx = _context(keys, layouts, config, report, fake_mode)
     ctx.graph_index = report.index
     ctx.sparse = _sparse_collections(traced)
-    if ctx.sparse:
-        _compat.allow_data_dependent_sizes(fake_mode)
     ctx.input_units = _input_units(traced)
     ctx.input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
     states = list({id(s): s for s in map(state_for_key, keys) if s is not None}.values())

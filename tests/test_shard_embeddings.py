@@ -18,6 +18,7 @@ from expecttest import TestCase
 pytest.importorskip("torchrec")
 
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torchrec.distributed.embedding import EmbeddingCollectionSharder  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
 from torchrec.distributed.sharding_plan import (  # noqa: E402
     column_wise,
@@ -28,12 +29,13 @@ from torchrec.distributed.sharding_plan import (  # noqa: E402
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan  # noqa: E402
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType  # noqa: E402
-from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from _golden import capture_dynamo, render  # noqa: E402
 import graphshard  # noqa: E402
+from graphshard import _compat  # noqa: E402
 from graphshard.backend import prepare  # noqa: E402
 from graphshard.config import CompileConfig  # noqa: E402
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
@@ -51,6 +53,17 @@ class Sparse(nn.Module):
         return self.ebc(kjt).values()
 
 
+class Sequence(nn.Module):
+    """An ``EmbeddingCollection``: each feature's rows, one per id, summed into a result."""
+
+    def __init__(self, tables):
+        super().__init__()
+        self.ebc = EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+
+    def forward(self, kjt):
+        return torch.cat([jt.values() for jt in self.ebc(kjt).values()]).sum(0)
+
+
 def _kjt(features, batch=2):
     lengths = torch.tensor([1, 2] * len(features))[: len(features) * batch]
     return KeyedJaggedTensor(keys=features, values=torch.arange(int(lengths.sum())) % 8, lengths=lengths)
@@ -58,17 +71,19 @@ def _kjt(features, batch=2):
 
 def after_pass(tables, sharding, upto="shard_embeddings"):
     torch.manual_seed(0)
-    model = Sparse(tables)
+    sequence = isinstance(tables[0], EmbeddingConfig)
+    model = (Sequence if sequence else Sparse)(tables)
     plan = ShardingPlan({"ebc": construct_module_sharding_plan(model.ebc, per_param_sharding=sharding,
                                                                world_size=dist.get_world_size(), device_type="cpu")})
+    sharder = (EmbeddingCollectionSharder if sequence else EmbeddingBagCollectionSharder)(fused_params={})
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
-                                   sharders=[EmbeddingBagCollectionSharder(fused_params={})],
-                                   init_data_parallel=False)
+                                   sharders=[sharder], init_data_parallel=False)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
     gs_plan = graphshard.Plan(mesh, {"": graphshard.Replicate()})
     graphshard.shard(dmp.module, gs_plan)
     features = [f for t in tables for f in t.feature_names]
-    gm, inputs = capture_dynamo(dmp.module, _kjt(features))
+    with _compat.trace_data_dependent_outputs():
+        gm, inputs = capture_dynamo(dmp.module, _kjt(features))
     prepared = prepare(gm, inputs, CompileConfig(lower="eager"))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
@@ -83,6 +98,10 @@ def after_pass(tables, sharding, upto="shard_embeddings"):
 
 def T(name, features, rows=8, dim=4, pooling=PoolingType.SUM):
     return EmbeddingBagConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=features, pooling=pooling)
+
+
+def S(name, features, rows=8, dim=4):
+    return EmbeddingConfig(name=name, embedding_dim=dim, num_embeddings=rows, feature_names=features)
 
 
 class TestShardEmbeddings(TestCase):
@@ -392,4 +411,181 @@ class <lambda>(torch.nn.Module):
         view_11: "f32[2, 4]" = torch.ops.aten.view.default(getitem_17, [2, 4]);  getitem_17 = None
         cat: "f32[2, 8]" = torch.ops.aten.cat.default([view_10, view_11], 1);  view_10 = view_11 = None
         return (cat,)
+""")
+
+    def test_sequence_table_and_column_wise(self):
+        # an EmbeddingCollection: table "a" on rank 0 (width 8), "b" column-wise over ranks 0, 1
+        # (width 4): one exchange per width; each id's row comes back by an all-to-all with the
+        # ids' splits swapped, in the order the ids were sent; b's column blocks side by side
+        text, report = after_pass([S("a", ["f0"], dim=8), S("b", ["f1"], dim=8)],
+                                  {"a": table_wise(rank=0, compute_kernel=FUSED),
+                                   "b": column_wise(ranks=[0, 1], compute_kernel=FUSED)})
+        self.assertIn("column_wise b@0,1", report.sparse[0])
+        self.assertIn("a2a_d4: 1 table shard(s), sgd, a2a_d8: 1 table shard(s)", report.sparse[0])
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "i64[4]", arg1_1: "f32[0]", arg2_1: "f32[32]", arg3_1: "f32[0]", arg4_1: "f32[]", arg5_1: "f32[0]", arg6_1: "f32[64]", arg7_1: "f32[0]", arg8_1: "f32[]", arg9_1: "i64[6]"):
+        _sparse_a2a_d4_weights_offsets: "i64[1]" = self._sparse_a2a_d4_weights_offsets
+        _sparse_a2a_d4_d_offsets: "i32[2]" = self._sparse_a2a_d4_D_offsets
+        _sparse_a2a_d4_hash_size_cumsum: "i64[2]" = self._sparse_a2a_d4_hash_size_cumsum
+        _sparse_a2a_d4_momentum_offsets: "i64[1]" = self._sparse_a2a_d4_momentum_offsets
+        _sparse_a2a_d4_rows: "i64[1]" = self._sparse_a2a_d4_rows
+        _sparse_a2a_d8_weights_offsets: "i64[1]" = self._sparse_a2a_d8_weights_offsets
+        _sparse_a2a_d8_d_offsets: "i32[2]" = self._sparse_a2a_d8_D_offsets
+        _sparse_a2a_d8_hash_size_cumsum: "i64[2]" = self._sparse_a2a_d8_hash_size_cumsum
+        _sparse_a2a_d8_momentum_offsets: "i64[1]" = self._sparse_a2a_d8_momentum_offsets
+        _sparse_a2a_d8_rows: "i64[1]" = self._sparse_a2a_d8_rows
+        view_1: "i64[2, 2]" = torch.ops.aten.view.default(arg0_1, [2, 2])
+        check_ids: "i64[6]" = torch.ops.graphshard.check_ids.default(arg9_1, arg0_1, [8, 8], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'b')");  arg9_1 = arg0_1 = None
+        sum_2: "i64[2]" = torch.ops.aten.sum.dim_IntList(view_1, [1])
+        unbind = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_2: "i64[]" = unbind[0]
+        getitem_3: "i64[]" = unbind[1];  unbind = None
+        _local_scalar_dense: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_2);  getitem_2 = None
+        _local_scalar_dense_1: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        add_2: "Sym(u3)" = 0 + _local_scalar_dense_1
+        add_3: "Sym(2*u3)" = add_2 + _local_scalar_dense_1;  add_2 = None
+        _sparse_const: "i32[2]" = self._sparse_const
+        lift_fresh_copy: "i32[2]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        permute_2d_sparse_data = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy, view_1, check_ids, None, add_3);  lift_fresh_copy = add_3 = None
+        getitem_4: "i64[2, 2]" = permute_2d_sparse_data[0]
+        getitem_5: "i64[2*u3]" = permute_2d_sparse_data[1];  permute_2d_sparse_data = None
+        add_4: "Sym(u3)" = 0 + _local_scalar_dense_1
+        add_5: "Sym(u3)" = 0 + _local_scalar_dense_1
+        view_2: "i64[4]" = torch.ops.aten.view.default(getitem_4, [-1]);  getitem_4 = None
+        all_to_all: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_2, [2, 2, 2, 2], [2, 2, 0, 0], 'dp');  view_2 = None
+        view_3: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2]);  all_to_all = None
+        sum_3: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_3, [1]);  view_3 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_3);  sum_3 = None
+        getitem_7: "i64[]" = unbind_1[0]
+        getitem_8: "i64[]" = unbind_1[1]
+        getitem_9: "i64[]" = unbind_1[2]
+        getitem_10: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_2: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        _local_scalar_dense_3: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        _local_scalar_dense_4: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_5: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        all_to_all_1: "i64[u4 + u5 + u6 + u7]" = torch.ops.graphshard.all_to_all.default(getitem_5, [_local_scalar_dense_2, _local_scalar_dense_3, _local_scalar_dense_4, _local_scalar_dense_5], [add_4, add_5, 0, 0], 'dp');  getitem_5 = None
+        sym_size_int_2: "Sym(u4 + u5 + u6 + u7)" = torch.ops.aten.sym_size.int(all_to_all_1, 0)
+        add_6: "Sym(u4 + u5 + u6 + u7 + 1)" = sym_size_int_2 + 1;  sym_size_int_2 = None
+        arange: "i64[u4 + u5 + u6 + u7 + 1]" = torch.ops.aten.arange.default(add_6, dtype = torch.int64, device = device(type='cpu'), pin_memory = False);  add_6 = None
+        tbe_lookup: "f32[u4 + u5 + u6 + u7, 4]" = torch.ops.graphshard.tbe_lookup.default(arg1_1, arg2_1, arg3_1, arg4_1, _sparse_a2a_d4_weights_offsets, _sparse_a2a_d4_d_offsets, _sparse_a2a_d4_hash_size_cumsum, _sparse_a2a_d4_momentum_offsets, _sparse_a2a_d4_rows, all_to_all_1, arange, None, 4, 4, 4, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "the stacked shards of ['b']", [0], False, 0.25);  arg1_1 = arg2_1 = arg3_1 = arg4_1 = _sparse_a2a_d4_weights_offsets = _sparse_a2a_d4_d_offsets = _sparse_a2a_d4_hash_size_cumsum = _sparse_a2a_d4_momentum_offsets = _sparse_a2a_d4_rows = all_to_all_1 = arange = None
+        all_to_all_2: "f32[2*u3, 4]" = torch.ops.graphshard.all_to_all.default(tbe_lookup, [add_4, add_5, 0, 0], [_local_scalar_dense_2, _local_scalar_dense_3, _local_scalar_dense_4, _local_scalar_dense_5], 'dp');  tbe_lookup = add_4 = add_5 = _local_scalar_dense_2 = _local_scalar_dense_3 = _local_scalar_dense_4 = _local_scalar_dense_5 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(all_to_all_2, [_local_scalar_dense_1, _local_scalar_dense_1]);  all_to_all_2 = _local_scalar_dense_1 = None
+        getitem_11: "f32[u3, 4]" = split_with_sizes[0]
+        getitem_12: "f32[u3, 4]" = split_with_sizes[1];  split_with_sizes = None
+        add_7: "Sym(u2)" = 0 + _local_scalar_dense
+        _sparse_const_1: "i32[1]" = self._sparse_const_1
+        lift_fresh_copy_1: "i32[1]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        permute_2d_sparse_data_1 = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy_1, view_1, check_ids, None, add_7);  lift_fresh_copy_1 = view_1 = check_ids = add_7 = None
+        getitem_13: "i64[1, 2]" = permute_2d_sparse_data_1[0]
+        getitem_14: "i64[u2]" = permute_2d_sparse_data_1[1];  permute_2d_sparse_data_1 = None
+        add_8: "Sym(u2)" = 0 + _local_scalar_dense
+        view_5: "i64[2]" = torch.ops.aten.view.default(getitem_13, [-1]);  getitem_13 = None
+        all_to_all_3: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_5, [2, 2, 2, 2], [2, 0, 0, 0], 'dp');  view_5 = None
+        view_6: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all_3, [4, 2]);  all_to_all_3 = None
+        sum_5: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_6, [1]);  view_6 = None
+        unbind_2 = torch.ops.aten.unbind.int(sum_5);  sum_5 = None
+        getitem_16: "i64[]" = unbind_2[0]
+        getitem_17: "i64[]" = unbind_2[1]
+        getitem_18: "i64[]" = unbind_2[2]
+        getitem_19: "i64[]" = unbind_2[3];  unbind_2 = None
+        _local_scalar_dense_6: "Sym(u8)" = torch.ops.aten._local_scalar_dense.default(getitem_16);  getitem_16 = None
+        _local_scalar_dense_7: "Sym(u9)" = torch.ops.aten._local_scalar_dense.default(getitem_17);  getitem_17 = None
+        _local_scalar_dense_8: "Sym(u10)" = torch.ops.aten._local_scalar_dense.default(getitem_18);  getitem_18 = None
+        _local_scalar_dense_9: "Sym(u11)" = torch.ops.aten._local_scalar_dense.default(getitem_19);  getitem_19 = None
+        all_to_all_4: "i64[u10 + u11 + u8 + u9]" = torch.ops.graphshard.all_to_all.default(getitem_14, [_local_scalar_dense_6, _local_scalar_dense_7, _local_scalar_dense_8, _local_scalar_dense_9], [add_8, 0, 0, 0], 'dp');  getitem_14 = None
+        sym_size_int_3: "Sym(u10 + u11 + u8 + u9)" = torch.ops.aten.sym_size.int(all_to_all_4, 0)
+        add_9: "Sym(u10 + u11 + u8 + u9 + 1)" = sym_size_int_3 + 1;  sym_size_int_3 = None
+        arange_1: "i64[u10 + u11 + u8 + u9 + 1]" = torch.ops.aten.arange.default(add_9, dtype = torch.int64, device = device(type='cpu'), pin_memory = False);  add_9 = None
+        tbe_lookup_1: "f32[u10 + u11 + u8 + u9, 8]" = torch.ops.graphshard.tbe_lookup.default(arg5_1, arg6_1, arg7_1, arg8_1, _sparse_a2a_d8_weights_offsets, _sparse_a2a_d8_d_offsets, _sparse_a2a_d8_hash_size_cumsum, _sparse_a2a_d8_momentum_offsets, _sparse_a2a_d8_rows, all_to_all_4, arange_1, None, 8, 8, 4, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "the stacked shards of ['a']", [0], False, 0.25);  arg5_1 = arg6_1 = arg7_1 = arg8_1 = _sparse_a2a_d8_weights_offsets = _sparse_a2a_d8_d_offsets = _sparse_a2a_d8_hash_size_cumsum = _sparse_a2a_d8_momentum_offsets = _sparse_a2a_d8_rows = all_to_all_4 = arange_1 = None
+        all_to_all_5: "f32[u2, 8]" = torch.ops.graphshard.all_to_all.default(tbe_lookup_1, [add_8, 0, 0, 0], [_local_scalar_dense_6, _local_scalar_dense_7, _local_scalar_dense_8, _local_scalar_dense_9], 'dp');  tbe_lookup_1 = add_8 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense_8 = _local_scalar_dense_9 = None
+        split_with_sizes_1 = torch.ops.aten.split_with_sizes.default(all_to_all_5, [_local_scalar_dense]);  all_to_all_5 = _local_scalar_dense = None
+        getitem_20: "f32[u2, 8]" = split_with_sizes_1[0];  split_with_sizes_1 = None
+        cat_1: "f32[u3, 8]" = torch.ops.aten.cat.default([getitem_11, getitem_12], 1);  getitem_11 = getitem_12 = None
+        sym_size_int: "Sym(u0)" = torch.ops.aten.sym_size.int(getitem_20, 0)
+        ge: "Sym(u0 >= 0)" = sym_size_int >= 0;  sym_size_int = None
+        _assert_scalar = torch.ops.aten._assert_scalar.default(ge, "Runtime assertion failed for expression u0 >= 0 on node 'ge'");  ge = _assert_scalar = None
+        sym_size_int_1: "Sym(u1)" = torch.ops.aten.sym_size.int(cat_1, 0)
+        ge_1: "Sym(u1 >= 0)" = sym_size_int_1 >= 0;  sym_size_int_1 = None
+        _assert_scalar_1 = torch.ops.aten._assert_scalar.default(ge_1, "Runtime assertion failed for expression u1 >= 0 on node 'ge_1'");  ge_1 = _assert_scalar_1 = None
+        cat: "f32[u0 + u1, 8]" = torch.ops.aten.cat.default([getitem_20, cat_1]);  getitem_20 = cat_1 = None
+        sum_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(cat, [0]);  cat = None
+        return (sum_1,)
+""")
+
+    def test_sequence_row_wise(self):
+        # row-wise: ids bucketized by row block (sequence=True keeps the permutation back to the
+        # ids' order), each rank's rows of the stacked table, back by an all-to-all, unbucketized
+        text, _ = after_pass([S("a", ["f0", "f1"])], {"a": row_wise(compute_kernel=FUSED)})
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "i64[4]", arg1_1: "f32[0]", arg2_1: "f32[8]", arg3_1: "f32[0]", arg4_1: "f32[]", arg5_1: "i64[6]"):
+        _sparse_rw_weights_offsets: "i64[1]" = self._sparse_rw_weights_offsets
+        _sparse_rw_d_offsets: "i32[2]" = self._sparse_rw_D_offsets
+        _sparse_rw_hash_size_cumsum: "i64[2]" = self._sparse_rw_hash_size_cumsum
+        _sparse_rw_momentum_offsets: "i64[1]" = self._sparse_rw_momentum_offsets
+        _sparse_rw_rows: "i64[1]" = self._sparse_rw_rows
+        view_1: "i64[2, 2]" = torch.ops.aten.view.default(arg0_1, [2, 2])
+        check_ids: "i64[6]" = torch.ops.graphshard.check_ids.default(arg5_1, arg0_1, [8, 8], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'a')");  arg5_1 = arg0_1 = None
+        sum_2: "i64[2]" = torch.ops.aten.sum.dim_IntList(view_1, [1])
+        unbind = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_2: "i64[]" = unbind[0]
+        getitem_3: "i64[]" = unbind[1];  unbind = None
+        _local_scalar_dense: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_2);  getitem_2 = None
+        _local_scalar_dense_1: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        _sparse_const: "i64[2]" = self._sparse_const
+        lift_fresh_copy: "i64[2]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        view_2: "i64[4]" = torch.ops.aten.view.default(view_1, [-1]);  view_1 = None
+        block_bucketize_sparse_features = torch.ops.fbgemm.block_bucketize_sparse_features.default(view_2, check_ids, False, True, lift_fresh_copy, 4);  view_2 = check_ids = lift_fresh_copy = None
+        getitem_4: "i64[16]" = block_bucketize_sparse_features[0]
+        getitem_5: "i64[6]" = block_bucketize_sparse_features[1]
+        getitem_8: "i64[6]" = block_bucketize_sparse_features[4];  block_bucketize_sparse_features = None
+        view_3: "i64[8, 2]" = torch.ops.aten.view.default(getitem_4, [8, 2]);  getitem_4 = None
+        view_4: "i64[16]" = torch.ops.aten.view.default(view_3, [-1])
+        _sparse_const_1: "i64[8]" = self._sparse_const_1
+        lift_fresh_copy_1: "i64[8]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_3: "i64[8]" = torch.ops.aten.sum.dim_IntList(view_3, [1]);  view_3 = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_1, sum_3);  zeros = lift_fresh_copy_1 = sum_3 = None
+        all_to_all: "i64[16]" = torch.ops.graphshard.all_to_all.default(view_4, [4, 4, 4, 4], [4, 4, 4, 4], 'dp');  view_4 = None
+        view_5: "i64[4, 4]" = torch.ops.aten.view.default(all_to_all, [4, 4]);  all_to_all = None
+        sum_4: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_5, [1]);  view_5 = None
+        unbind_1 = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_9: "i64[]" = unbind_1[0]
+        getitem_10: "i64[]" = unbind_1[1]
+        getitem_11: "i64[]" = unbind_1[2]
+        getitem_12: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_2: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_3: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        _local_scalar_dense_4: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_11);  getitem_11 = None
+        _local_scalar_dense_5: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_12);  getitem_12 = None
+        unbind_2 = torch.ops.aten.unbind.int(sum_4);  sum_4 = None
+        getitem_13: "i64[]" = unbind_2[0]
+        getitem_14: "i64[]" = unbind_2[1]
+        getitem_15: "i64[]" = unbind_2[2]
+        getitem_16: "i64[]" = unbind_2[3];  unbind_2 = None
+        _local_scalar_dense_6: "Sym(u8)" = torch.ops.aten._local_scalar_dense.default(getitem_13);  getitem_13 = None
+        _local_scalar_dense_7: "Sym(u9)" = torch.ops.aten._local_scalar_dense.default(getitem_14);  getitem_14 = None
+        _local_scalar_dense_8: "Sym(u10)" = torch.ops.aten._local_scalar_dense.default(getitem_15);  getitem_15 = None
+        _local_scalar_dense_9: "Sym(u11)" = torch.ops.aten._local_scalar_dense.default(getitem_16);  getitem_16 = None
+        all_to_all_1: "i64[u10 + u11 + u8 + u9]" = torch.ops.graphshard.all_to_all.default(getitem_5, [_local_scalar_dense_6, _local_scalar_dense_7, _local_scalar_dense_8, _local_scalar_dense_9], [_local_scalar_dense_2, _local_scalar_dense_3, _local_scalar_dense_4, _local_scalar_dense_5], 'dp');  getitem_5 = None
+        sym_size_int_2: "Sym(u10 + u11 + u8 + u9)" = torch.ops.aten.sym_size.int(all_to_all_1, 0)
+        add_4: "Sym(u10 + u11 + u8 + u9 + 1)" = sym_size_int_2 + 1;  sym_size_int_2 = None
+        arange: "i64[u10 + u11 + u8 + u9 + 1]" = torch.ops.aten.arange.default(add_4, dtype = torch.int64, device = device(type='cpu'), pin_memory = False);  add_4 = None
+        tbe_lookup: "f32[u10 + u11 + u8 + u9, 4]" = torch.ops.graphshard.tbe_lookup.default(arg1_1, arg2_1, arg3_1, arg4_1, _sparse_rw_weights_offsets, _sparse_rw_d_offsets, _sparse_rw_hash_size_cumsum, _sparse_rw_momentum_offsets, _sparse_rw_rows, all_to_all_1, arange, None, 4, 4, 2, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "the stacked shards of ['a']", [0], False, 0.25);  arg1_1 = arg2_1 = arg3_1 = arg4_1 = _sparse_rw_weights_offsets = _sparse_rw_d_offsets = _sparse_rw_hash_size_cumsum = _sparse_rw_momentum_offsets = _sparse_rw_rows = all_to_all_1 = arange = None
+        all_to_all_2: "f32[u4 + u5 + u6 + u7, 4]" = torch.ops.graphshard.all_to_all.default(tbe_lookup, [_local_scalar_dense_2, _local_scalar_dense_3, _local_scalar_dense_4, _local_scalar_dense_5], [_local_scalar_dense_6, _local_scalar_dense_7, _local_scalar_dense_8, _local_scalar_dense_9], 'dp');  tbe_lookup = _local_scalar_dense_2 = _local_scalar_dense_3 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense_8 = _local_scalar_dense_9 = None
+        index_select: "f32[6, 4]" = torch.ops.aten.index_select.default(all_to_all_2, 0, getitem_8);  all_to_all_2 = getitem_8 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(index_select, [_local_scalar_dense, _local_scalar_dense_1]);  index_select = _local_scalar_dense = _local_scalar_dense_1 = None
+        getitem_17: "f32[u2, 4]" = split_with_sizes[0]
+        getitem_18: "f32[u3, 4]" = split_with_sizes[1];  split_with_sizes = None
+        sym_size_int: "Sym(u0)" = torch.ops.aten.sym_size.int(getitem_17, 0)
+        ge: "Sym(u0 >= 0)" = sym_size_int >= 0;  sym_size_int = None
+        _assert_scalar = torch.ops.aten._assert_scalar.default(ge, "Runtime assertion failed for expression u0 >= 0 on node 'ge'");  ge = _assert_scalar = None
+        sym_size_int_1: "Sym(u1)" = torch.ops.aten.sym_size.int(getitem_18, 0)
+        ge_1: "Sym(u1 >= 0)" = sym_size_int_1 >= 0;  sym_size_int_1 = None
+        _assert_scalar_1 = torch.ops.aten._assert_scalar.default(ge_1, "Runtime assertion failed for expression u1 >= 0 on node 'ge_1'");  ge_1 = _assert_scalar_1 = None
+        cat: "f32[u0 + u1, 4]" = torch.ops.aten.cat.default([getitem_17, getitem_18]);  getitem_17 = getitem_18 = None
+        sum_1: "f32[4]" = torch.ops.aten.sum.dim_IntList(cat, [0]);  cat = None
+        return (sum_1,)
 """)

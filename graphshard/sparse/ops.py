@@ -98,9 +98,9 @@ def lookup_args(node) -> tuple | None:
     (pooled or sequence), else None."""
     if node.op != "call_function":
         return None
-    if node.target == ops.embedding_bags.default:
+    if node.target in (ops.embedding_bags, ops.embedding_bags.default):  # dynamo's graph calls the packet
         return tuple(node.args[:6])
-    if node.target == ops.embedding_seqs.default:
+    if node.target in (ops.embedding_seqs, ops.embedding_seqs.default):
         values, lengths, state, key, keys = node.args[:5]
         return values, lengths, None, state, key, keys
     return None

@@ -121,11 +121,12 @@ def send_ids(lengths2d, values, weights, send: list[int], recv_features: int, ba
     sizes (sent, received). ``in_splits``: the ids sent to each rank, where the caller has them."""
     flat = lengths2d.reshape(-1)
     sizes = [n * batch for n in send]
-    recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, sizes, group)
-    out_counts = recv_lengths.view(world, recv_features * batch).sum(1)
     if in_splits is None:
         owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=flat.device)
         in_counts = torch.zeros(world, dtype=flat.dtype, device=flat.device).index_add(0, owner, lengths2d.sum(1))
+    recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, sizes, group)
+    out_counts = recv_lengths.view(world, recv_features * batch).sum(1)
+    if in_splits is None:
         in_splits = in_counts.tolist()
     out_splits = out_counts.tolist()
     recv_values = ops.all_to_all(values, out_splits, in_splits, group)

@@ -6,7 +6,8 @@ tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-pa
 row-wise, data-parallel), weighted (a weighted collection: per-sample weights in the KJT;
 table-wise, row-wise, column-wise), seq (an ``EmbeddingCollection``, one row per id, and a head
 over each feature's padded sequence: table-wise, row-wise, column-wise, a second table-wise
-table beside a column block, data-parallel) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
+table beside a column block, data-parallel), seqtwo (two towers holding one
+``EmbeddingCollection``: table-wise and row-wise tables) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
 row-wise tables); flag ``fsdp``: graphshard's dense part sharded (``FullyShardDense``; TorchRec's stays DDP);
 ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
 ``fused_params``), or inbackward_<one of those> (from TorchRec's ``apply_optimizer_in_backward``).
@@ -50,6 +51,13 @@ def _trec():
 
 def _tables(model: str):
     EmbeddingBagConfig, PoolingType, _ = _trec()
+    if model == "seqtwo":
+        from torchrec.modules.embedding_configs import EmbeddingConfig
+
+        return [
+            EmbeddingConfig(name="t_tw", embedding_dim=DIM, num_embeddings=40, feature_names=["f0"]),
+            EmbeddingConfig(name="t_rw", embedding_dim=DIM, num_embeddings=50, feature_names=["f1", "f2"]),
+        ]
     if model == "seq":
         from torchrec.modules.embedding_configs import EmbeddingConfig
 
@@ -110,7 +118,7 @@ def _sharding(model: str, world: int) -> dict:
         return {"t_tw": table_wise(rank=0, compute_kernel=fused), "t_mean": table_wise(rank=world - 1, compute_kernel=fused),
                 "t_rw": row_wise(compute_kernel=fused), "t_cw": column_wise(ranks=list(range(world)), compute_kernel=fused),
                 "t_dp": data_parallel()}
-    return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused)}
+    return {"t_tw": table_wise(rank=world - 1, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused)}  # twotower, seqtwo
 
 
 def _fused_kernel(generator):
@@ -159,6 +167,30 @@ class Sequence(nn.Module):
         return self.head(x)
 
 
+class SeqTower(nn.Module):
+    def __init__(self, ec: nn.Module, features: list[str]):
+        super().__init__()
+        self.ec = ec
+        self.features = features
+        self.proj = nn.Linear(len(features) * SEQ * DIM, 8)
+
+    def forward(self, kjt):
+        seqs = self.ec(kjt)
+        return self.proj(torch.cat([seqs[f].to_padded_dense(SEQ).flatten(1) for f in self.features], dim=1))
+
+
+class SeqTwoTower(nn.Module):
+    """Two towers holding one ``EmbeddingCollection`` (the shared sequence module)."""
+
+    def __init__(self, ec: nn.Module, features: list[str]):
+        super().__init__()
+        self.query = SeqTower(ec, features)
+        self.item = SeqTower(ec, features)
+
+    def forward(self, query, item):
+        return (self.query(query) * self.item(item)).sum(1)
+
+
 class TwoTower(nn.Module):
     def __init__(self, ebc: nn.Module, width: int):
         super().__init__()
@@ -173,11 +205,11 @@ def build(model: str) -> nn.Module:
     _, _, EmbeddingBagCollection = _trec()
     torch.manual_seed(0)
     tables = _tables(model)
-    if model == "seq":
+    if model in ("seq", "seqtwo"):
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
-        return Sequence(EmbeddingCollection(tables=tables, device=torch.device("cpu")),
-                        [f for t in tables for f in t.feature_names])
+        ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+        return (Sequence if model == "seq" else SeqTwoTower)(ec, [f for t in tables for f in t.feature_names])
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"), is_weighted=model == "weighted")
     if model == "weighted":
         return Weighted(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
@@ -243,11 +275,11 @@ def _plan(model: str, module: nn.Module, world: int):
 
 def _ebc_fqn(model: str) -> str:
     return {"dlrm": "sparse_arch.embedding_bag_collection", "dlrm4": "sparse_arch.embedding_bag_collection",
-            "weighted": "ebc", "seq": "ec"}.get(model, "query.ebc")
+            "weighted": "ebc", "seq": "ec", "seqtwo": "query.ec"}.get(model, "query.ebc")
 
 
 def _attr(model: str) -> str:
-    return "embeddings" if model == "seq" else "embedding_bags"
+    return "embeddings" if model.startswith("seq") else "embedding_bags"
 
 
 def _table_fqns(model: str) -> list[str]:
@@ -256,7 +288,7 @@ def _table_fqns(model: str) -> list[str]:
 
 
 def _sharder(model: str, fused: dict):
-    if model == "seq":
+    if model.startswith("seq"):
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
         return EmbeddingCollectionSharder(fused_params=dict(fused))
