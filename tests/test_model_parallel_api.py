@@ -15,11 +15,12 @@ import torch.nn as nn
 pytest.importorskip("torchrec")
 
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata  # noqa: E402
+from torchrec.distributed.embedding import EmbeddingCollectionSharder  # noqa: E402
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise  # noqa: E402
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan  # noqa: E402
-from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
-from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig  # noqa: E402
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection  # noqa: E402
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
@@ -164,3 +165,64 @@ def test_out_of_range_id_names_feature_and_table():
 def test_other_wrappers_refused():
     with pytest.raises(NotImplementedError, match=r"data_parallel_wrapper=object.*FullyShardDense\(\)"):
         _dmp(TwoTower(), None, data_parallel_wrapper=object())
+
+
+class Sequence(nn.Module):
+    def __init__(self, need_indices=False):
+        super().__init__()
+        tables = [EmbeddingConfig(name="a", embedding_dim=8, num_embeddings=10, feature_names=["f0", "f1"]),
+                  EmbeddingConfig(name="b", embedding_dim=8, num_embeddings=12, feature_names=["f2"])]
+        self.ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"), need_indices=need_indices)
+
+    def forward(self, kjt):
+        return self.ec(kjt)
+
+
+def _seq_dmp(model, plan):
+    return DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                    sharders=[EmbeddingCollectionSharder(fused_params={})], init_data_parallel=False)
+
+
+def test_embedding_collection_state_and_default_plan():
+    torch.manual_seed(0)
+    model = Sequence()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dmp = _seq_dmp(model, None)  # table-wise round-robin covers EmbeddingCollections too
+    (mp,) = dmp.plan.plan.values()
+    assert {t: (ps.sharding_type, ps.ranks) for t, ps in mp.items()} == {"a": ("table_wise", [0]), "b": ("table_wise", [1])}
+    coll = dmp._collections[0]
+    assert coll.layout.sequence and coll.layout.attr == "embeddings"
+    assert sorted(dmp.state_dict()) == sorted(before) == ["ec.embeddings.a.weight", "ec.embeddings.b.weight"]
+    (shard, piece), = coll.local_pieces("a")  # this rank (0) holds table a: the module's weights, kept
+    torch.testing.assert_close(piece, before["ec.embeddings.a.weight"])
+
+
+def test_embedding_collection_row_wise_pieces_are_views_of_the_stacked_table():
+    torch.manual_seed(0)
+    model = Sequence()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = ShardingPlan({"ec": construct_module_sharding_plan(
+        model.ec, per_param_sharding={"a": row_wise(compute_kernel=FUSED), "b": row_wise(compute_kernel=FUSED)},
+        world_size=dist.get_world_size(), device_type="cpu")})
+    coll = _seq_dmp(model, plan)._collections[0]
+    (tbe,) = coll.fused()
+    assert tbe.shapes == [(3 + 3, 8)]  # rank 0's row blocks of a (10 rows / 4) and b (12 / 4), stacked
+    for name in ("a", "b"):
+        (shard, piece), = coll.local_pieces(name)
+        torch.testing.assert_close(piece, before[f"ec.embeddings.{name}.weight"][:shard.rows])
+        assert piece.untyped_storage().data_ptr() == tbe.weights.untyped_storage().data_ptr()
+
+
+def test_embedding_collection_table_row_wise_refused():
+    model = Sequence()
+    spec = EnumerableShardingSpec([ShardMetadata([0, 0], [5, 8], "rank:0/cpu"), ShardMetadata([5, 0], [5, 8], "rank:1/cpu")])
+    mp = _module_plan_seq(model.ec)
+    mp["a"] = ParameterSharding(sharding_type="table_row_wise", compute_kernel=FUSED, ranks=[0, 1], sharding_spec=spec)
+    with pytest.raises(NotImplementedError, match=r"ec: table 'a' is table_row_wise; sequence embeddings"):
+        _seq_dmp(model, ShardingPlan({"ec": mp}))
+
+
+def _module_plan_seq(ec):
+    return construct_module_sharding_plan(ec, per_param_sharding={"a": table_wise(rank=0, compute_kernel=FUSED),
+                                                                  "b": table_wise(rank=1, compute_kernel=FUSED)},
+                                          world_size=dist.get_world_size(), device_type="cpu")

@@ -149,6 +149,11 @@ class CollectionLayout:
     def check(self) -> None:
         seen: dict[str, str] = {}
         for t in self.tables:
+            if self.sequence and t.sharding_type == "table_row_wise":
+                raise NotImplementedError(
+                    f"{self.fqns[0]}: table {t.name!r} is table_row_wise; sequence embeddings (EmbeddingCollection) "
+                    "are sharded table_wise, column_wise, row_wise or data_parallel (as TorchRec's sharder allows)"
+                )
             t.check(self.world, self.local_world)
             for f in t.features:
                 if f in seen:
@@ -157,11 +162,6 @@ class CollectionLayout:
                         "each feature names one table"
                     )
                 seen[f] = t.name
-            if self.sequence and t.sharding_type == "table_row_wise":
-                raise NotImplementedError(
-                    f"{self.fqns[0]}: table {t.name!r} is table_row_wise; sequence embeddings (EmbeddingCollection) "
-                    "are sharded table_wise, column_wise, row_wise or data_parallel (as TorchRec's sharder allows)"
-                )
             if self.sequence and t.embedding_dim != self.tables[0].embedding_dim:
                 raise ValueError(
                     f"{self.fqns[0]}: table {t.name!r} has dim {t.embedding_dim}, table {self.tables[0].name!r} "

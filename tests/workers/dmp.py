@@ -4,8 +4,8 @@ Each CASE is ``model:optimizer``: ``model`` dlrm (TorchRec's ``torchrec.models.d
 tables: table-wise, table-wise with mean pooling, row-wise, column-wise, data-parallel), dlrm4
 (4 ranks as 2 hosts x 2: table-row-wise on each host, one with mean pooling, table-wise,
 row-wise, data-parallel), weighted (a weighted collection: per-sample weights in the KJT;
-table-wise, row-wise, column-wise), seq (an ``EmbeddingCollection``, one row per id, and a head
-over each feature's padded sequence: table-wise, row-wise, column-wise, a second table-wise
+table-wise, row-wise, column-wise), seq (an ``EmbeddingCollection`` with ``need_indices``, one row per id, scaled by its id's
+parity, and a head over each feature's padded sequence: table-wise, row-wise, column-wise, a second table-wise
 table beside a column block, data-parallel), seqtwo (two towers holding one
 ``EmbeddingCollection``: table-wise and row-wise tables) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
 row-wise tables); flag ``fsdp``: graphshard's dense part sharded (``FullyShardDense``; TorchRec's stays DDP);
@@ -162,9 +162,17 @@ class Sequence(nn.Module):
         self.head = nn.Linear(len(features) * SEQ * DIM, 1)
 
     def forward(self, kjt):
+        from torchrec.sparse.jagged_tensor import JaggedTensor
+
         seqs = self.ec(kjt)
-        x = torch.cat([seqs[f].to_padded_dense(SEQ).flatten(1) for f in self.features], dim=1)
-        return self.head(x)
+        x = []
+        for f in self.features:
+            jt = seqs[f]
+            if jt.weights_or_none() is not None:  # need_indices: each row scaled by its id's parity
+                jt = JaggedTensor(values=jt.values() * (1 + jt.weights() % 2).unsqueeze(1).to(jt.values().dtype),
+                                  lengths=jt.lengths())
+            x.append(jt.to_padded_dense(SEQ).flatten(1))
+        return self.head(torch.cat(x, dim=1))
 
 
 class SeqTower(nn.Module):
@@ -208,7 +216,7 @@ def build(model: str) -> nn.Module:
     if model in ("seq", "seqtwo"):
         from torchrec.modules.embedding_modules import EmbeddingCollection
 
-        ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+        ec = EmbeddingCollection(tables=tables, device=torch.device("cpu"), need_indices=model == "seq")
         return (Sequence if model == "seq" else SeqTwoTower)(ec, [f for t in tables for f in t.feature_names])
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"), is_weighted=model == "weighted")
     if model == "weighted":
