@@ -10,6 +10,9 @@
 - ``interchange``: TorchRec's DMP (plan A) trains two steps; its state dict (ShardedTensor
   tables) loads into graphshard's DMP with ``load_state_dict``; graphshard's state saved with
   DCP loads into a fresh TorchRec DMP. Each side's tables must equal the other's.
+- ``sequence``: the same for an ``EmbeddingCollection`` (the ``seq`` model of tests/workers/dmp.py):
+  graphshard's DCP checkpoint loads under another plan (and gives the same next step) and into
+  TorchRec's DMP; TorchRec's state dict, after two steps of its own, loads into graphshard's.
 """
 
 from __future__ import annotations
@@ -41,27 +44,46 @@ def _plan_b(module, world):
         ebc, per_param_sharding=sharding, world_size=world, device_type="cpu")})
 
 
-def _gs(base, plan_fn, world):
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+def _gs(base, plan_fn, world, model=MODEL):
     from torchrec.distributed.types import ShardingEnv
 
     from graphshard.model_parallel import DistributedModelParallel
 
     m = copy.deepcopy(base)
     return DistributedModelParallel(m, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                    plan=plan_fn(m, world),
-                                    sharders=[EmbeddingBagCollectionSharder(fused_params=common._fused(OPT))])
+                                    plan=plan_fn(m, world), sharders=[common._sharder(model, common._fused(OPT))])
 
 
-def _tr(base, world):
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+def _tr(base, world, model=MODEL):
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
     m = copy.deepcopy(base)
     return DistributedModelParallel(m, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                    plan=common._plan(MODEL, m, world),
-                                    sharders=[EmbeddingBagCollectionSharder(fused_params=common._fused(OPT))])
+                                    plan=common._plan(model, m, world),
+                                    sharders=[common._sharder(model, common._fused(OPT))])
+
+
+def _seq_plan_b(module, world):
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    f = "fused"
+    sharding = {"t_tw": row_wise(compute_kernel=f), "t_rw": column_wise(ranks=list(range(world)), compute_kernel=f),
+                "t_cw": table_wise(rank=world - 1, compute_kernel=f), "t_tw2": row_wise(compute_kernel=f),
+                "t_dp": column_wise(ranks=list(range(world)), compute_kernel=f)}
+    return ShardingPlan({"ec": construct_module_sharding_plan(module.ec, per_param_sharding=sharding, world_size=world,
+                                                              device_type="cpu")})
+
+
+def _init_torchrec(tr, init: dict) -> None:
+    """TorchRec re-initializes its shards on the CPU: start from the module's weights."""
+    with torch.no_grad():
+        for k, v in tr.state_dict().items():
+            if common._compat_sharded(v):
+                for s in v.local_shards():
+                    (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
+                    s.tensor.copy_(init[k][r:r + nr, c:c + nc])
 
 
 def _full_state(model) -> dict:
@@ -113,15 +135,35 @@ def run(case: str) -> dict:
         dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
         gs.load_state_dict(state)
         return {"case": case, "world": world, "reshard_diff": _diff(_full_state(gs), saved)}
+    if case == "sequence":  # an EmbeddingCollection: DCP across plans, and TorchRec interchange
+        seq = common.build("seq")
+        gs = _gs(seq, lambda m, w: common._plan("seq", m, w), world, "seq")
+        common._train(gs, "seq", range(2), rank, world)
+        saved = _full_state(gs)
+        path = os.path.join(out_dir, "seq_dcp")
+        dcp.save(gs.state_dict(), checkpoint_id=path)
+        other = _gs(common.build("seq"), _seq_plan_b, world, "seq")
+        state = other.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        other.load_state_dict(state)
+        reshard = _diff(_full_state(other), saved)
+        next_a = common._train(gs, "seq", range(2, 3), rank, world)
+        next_b = common._train(other, "seq", range(2, 3), rank, world)
+        tr = _tr(common.build("seq"), world, "seq")
+        state = tr.state_dict()
+        dcp.load(state, checkpoint_id=path)  # graphshard's checkpoint into TorchRec's DMP
+        tr.load_state_dict(state)
+        into_tr = _diff(_full_state(tr), saved)
+        common._train(tr, "seq", range(2, 4), rank, world)
+        fresh = _gs(common.build("seq"), lambda m, w: common._plan("seq", m, w), world, "seq")
+        fresh.load_state_dict(tr.state_dict())  # TorchRec's state dict (ShardedTensors) into graphshard's
+        into_gs = _diff(_full_state(fresh), _full_state(tr))
+        return {"case": case, "reshard_diff": reshard, "next_loss_diff": abs(next_a[0] - next_b[0]),
+                "graphshard_to_torchrec": into_tr, "torchrec_to_graphshard": into_gs,
+                "trained": max(float((saved[k] - v).abs().max()) for k, v in seq.state_dict().items())}
     if case == "interchange":
         tr = _tr(base, world)
-        with torch.no_grad():  # TorchRec re-initializes its shards on the CPU: start from the module's weights
-            init = base.state_dict()
-            for k, v in tr.state_dict().items():
-                if common._compat_sharded(v):
-                    for s in v.local_shards():
-                        (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
-                        s.tensor.copy_(init[k][r:r + nr, c:c + nc])
+        _init_torchrec(tr, base.state_dict())
         common._train(tr, MODEL, range(2), rank, world)
         tr_state = _full_state(tr)
         gs = _gs(common.build(MODEL), plan_a, world)  # another initialization: everything comes from the load
