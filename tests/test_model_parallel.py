@@ -86,13 +86,15 @@ def test_compiled_once_for_dynamic_ids(results):
 
 
 def test_ids_exchange_overlaps_the_bottom_mlp(results):
-    # forward: the input distribution (lengths, then ids, both groups) is issued first, the dense
+    # forward: the input distribution (lengths, then ids, every group) is issued first, the dense
     # bottom MLP runs while the ids travel, their waits sit at the lookups
     report = results["dlrm:rowwise_adagrad"]["explain"]
     order = next(line for line in report.splitlines() if "order after scheduling (forward)" in line)
     events = order.split(": ", 1)[1].split(" -> ")
     first_compute = next(i for i, e in enumerate(events) if e.startswith("compute"))
     before = events[:first_compute]
-    assert sum(e.startswith("all_to_all") for e in before) == 4, order  # lengths and ids of both groups
-    assert sum(e.startswith("wait") for e in before) == 2, order        # only the lengths' waits
+    # lengths and ids of both groups, and the data-parallel table's lengths (all-gather) and ids
+    assert sum(e.startswith("all_to_all") for e in before) == 5, order
+    assert sum(e.startswith("all_gather") for e in before) == 1, order
+    assert sum(e.startswith("wait") for e in before) == 3, order  # only the lengths' waits
     assert "sharded embeddings:" in report and "row_wise t_rw@0,1" in report

@@ -79,7 +79,7 @@ def after_pass(tables, sharding, upto="shard_embeddings"):
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
                                    sharders=[sharder], init_data_parallel=False)
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
-    gs_plan = graphshard.Plan(mesh, {"": graphshard.Replicate()})
+    gs_plan = graphshard.Plan(mesh, dmp._dense_rules(), ignored_params=dmp._whole_gradients())  # DMP's own
     graphshard.shard(dmp.module, gs_plan)
     features = [f for t in tables for f in t.feature_names]
     with _compat.trace_data_dependent_outputs():
@@ -303,24 +303,41 @@ class <lambda>(torch.nn.Module):
 """)
 
     def test_data_parallel(self):
-        # a replicated table: a local embedding_bag on the (data-parallel) parameter, no exchange
+        # a replicated table: every rank's lengths all-gathered and ids sent to every rank, every
+        # rank's bags looked up here, this rank's kept (graphshard.shard: its gradient is gathered
+        # from every rank in the backward, so the table's gradient is whole here, scaled to the
+        # mean: no all-reduce of it, and no unshard of the plain replicated parameter)
         text, _ = after_pass([T("a", ["f0"])], {"a": data_parallel()})
-        self.assertNotIn("all_to_all", text)
+        self.assertNotIn("unshard", text)
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 4]", arg1_1: "i64[2]", arg2_1: "i64[3]"):
-        unshard_default = torch.ops.graphshard.unshard.default([arg0_1], ['ebc.embedding_bags.a.weight']);  arg0_1 = None
-        getitem: "f32[8, 4]" = unshard_default[0];  unshard_default = None
         view: "i64[1, 2]" = torch.ops.aten.view.default(arg1_1, [1, 2])
         check_ids: "i64[3]" = torch.ops.graphshard.check_ids.default(arg2_1, arg1_1, [8], "feature 'f0' (table 'a')");  arg2_1 = arg1_1 = None
         view_1: "i64[2]" = torch.ops.aten.view.default(view, [-1]);  view = None
-        asynchronous_complete_cumsum: "i64[3]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_1);  view_1 = None
-        _embedding_bag = torch.ops.aten._embedding_bag.default(getitem, check_ids, asynchronous_complete_cumsum, False, 0, False, None, True);  getitem = check_ids = asynchronous_complete_cumsum = None
-        getitem_1: "f32[2, 4]" = _embedding_bag[0];  _embedding_bag = None
-        view_2: "f32[1, 2, 4]" = torch.ops.aten.view.default(getitem_1, [1, 2, 4]);  getitem_1 = None
-        transpose: "f32[2, 1, 4]" = torch.ops.aten.transpose.int(view_2, 0, 1);  view_2 = None
-        view_3: "f32[2, 4]" = torch.ops.aten.view.default(transpose, [2, 4]);  transpose = None
-        return (view_3,)
+        all_gather: "i64[8]" = torch.ops.graphshard.all_gather.default(view_1, 0, 8, 'dp', 4, 0);  view_1 = None
+        view_2: "i64[4, 2]" = torch.ops.aten.view.default(all_gather, [4, -1])
+        sum_1: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        unbind = torch.ops.aten.unbind.int(sum_1);  sum_1 = None
+        getitem: "i64[]" = unbind[0]
+        getitem_1: "i64[]" = unbind[1]
+        getitem_2: "i64[]" = unbind[2]
+        getitem_3: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u0)" = torch.ops.aten._local_scalar_dense.default(getitem);  getitem = None
+        _local_scalar_dense_1: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_1);  getitem_1 = None
+        _local_scalar_dense_2: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_2);  getitem_2 = None
+        _local_scalar_dense_3: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        repeat: "i64[12]" = torch.ops.aten.repeat.default(check_ids, [4]);  check_ids = None
+        all_to_all: "i64[u0 + u1 + u2 + u3]" = torch.ops.graphshard.all_to_all.default(repeat, [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], [3, 3, 3, 3], 'dp');  repeat = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(all_gather);  all_gather = None
+        _embedding_bag = torch.ops.aten._embedding_bag.default(arg0_1, all_to_all, asynchronous_complete_cumsum, False, 0, False, None, True);  arg0_1 = all_to_all = asynchronous_complete_cumsum = None
+        getitem_4: "f32[8, 4]" = _embedding_bag[0];  _embedding_bag = None
+        shard: "f32[2, 4]" = torch.ops.graphshard.shard.default(getitem_4, 0, 'dp', 4, 0);  getitem_4 = None
+        scale_grad: "f32[2, 4]" = torch.ops.graphshard.scale_grad.default(shard, 0.25);  shard = None
+        view_3: "f32[1, 2, 4]" = torch.ops.aten.view.default(scale_grad, [1, 2, 4]);  scale_grad = None
+        transpose: "f32[2, 1, 4]" = torch.ops.aten.transpose.int(view_3, 0, 1);  view_3 = None
+        view_4: "f32[2, 4]" = torch.ops.aten.view.default(transpose, [2, 4]);  transpose = None
+        return (view_4,)
 """)
 
     def test_table_row_wise(self):

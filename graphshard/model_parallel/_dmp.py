@@ -158,18 +158,25 @@ class DistributedModelParallel(nn.Module):
 
         mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
         if state_of(module) is None:
-            shard(module, Plan(mesh, self._dense_rules()))
+            shard(module, Plan(mesh, self._dense_rules(), ignored_params=self._whole_gradients()))
         module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
         self._ddp_wrapped = True
 
     def _dense_rules(self) -> dict:
-        """The dense parameters replicated (DDP); each data-parallel table its own unit, so its
-        (large) gradient is reduced on its own, as soon as it is computed, not packed with the rest."""
+        """The dense parameters replicated (DDP); each data-parallel table of a sequence collection
+        its own unit, so its (large) gradient is reduced on its own, as soon as it is computed."""
         rules = {"": self._dense_spec}
         for coll in self._collections:
-            for t in coll.plan.dp_tables:
-                rules[f"{coll.layout.fqns[0]}.{coll.layout.attr}.{t.name}"] = Replicate()
+            if not coll.layout.dp_gathered:
+                for t in coll.plan.dp_tables:
+                    rules[f"{coll.layout.fqns[0]}.{coll.layout.attr}.{t.name}"] = Replicate()
         return rules
+
+    def _whole_gradients(self) -> list[str]:
+        """The data-parallel tables whose gradient every rank computes whole (``dp_gathered``: every
+        rank's bags are looked up on every rank): plain replicated tensors, nothing to reduce."""
+        return [f"{coll.layout.fqns[0]}.{coll.layout.attr}.{t.name}.weight"
+                for coll in self._collections if coll.layout.dp_gathered for t in coll.plan.dp_tables]
 
     def forward(self, *args, **kwargs) -> Any:
         _state.check_inputs(args, kwargs)

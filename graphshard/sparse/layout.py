@@ -10,7 +10,9 @@ shards (a rank, a block of rows, a block of columns):
 - ``row_wise``: one block of rows per rank (``ceil(rows / world)`` each, the last one shorter);
 - ``table_row_wise``: the ranks are hosts of ``local_world`` ranks; the table lives on one
   host, one block of rows per rank of that host (``ceil(rows / local_world)`` each);
-- ``data_parallel``: the table replicated, looked up locally, its gradient averaged.
+- ``data_parallel``: the table replicated, looked up locally, its gradient averaged (or, with
+  ``dp_gathered``, every rank's bags looked up on every rank, so each computes the whole
+  batch's gradient itself and nothing is reduced).
 
 The layout is the only place these facts live; the sharded program (``program.py``) and the
 state dict read it.
@@ -124,6 +126,7 @@ class CollectionLayout:
     global_ranks: tuple[int, ...] | None = None  # the group's ranks in the default group (None: the same)
     all_groups: tuple[tuple[int, ...], ...] | None = None  # every group along the axis (N-D mesh), same on all ranks
     sequence: bool = False  # one row per id (EmbeddingCollection), not pooled per sample
+    dp_gathered: bool = False  # data-parallel tables look up every rank's bags (program._gathered_bags)
     attr: str = "embedding_bags"  # the module's table container, as the state dict names it
 
     @property

@@ -11,6 +11,9 @@ gradient: a sharded collection trains compiled).
 data's, so the fake impl gives each a new unbacked size), then, with ``need_indices``, each
 feature's ids.
 
+``graphshard::scale_grad`` is the identity whose gradient is scaled (a gradient computed
+whole on every rank, made the global batch's mean).
+
 ``graphshard::check_ids`` is the input's bounds check: every id of a feature must lie in its
 table's rows; the error names the feature and the table.
 """
@@ -24,6 +27,7 @@ lib.define("embedding_bags(Tensor values, Tensor lengths, Tensor? weights, Tenso
            "str[] keys, int total_dim) -> Tensor")
 lib.define("embedding_seqs(Tensor values, Tensor lengths, Tensor[] state, str key, str[] keys, int dim, "
            "int features, bool need_indices) -> Tensor[]")
+lib.define("scale_grad(Tensor x, float scale) -> Tensor")
 lib.define("check_ids(Tensor values, Tensor lengths, int[] limits, str names) -> Tensor")
 
 
@@ -71,6 +75,12 @@ torch.library.impl(lib, "embedding_seqs", "CompositeExplicitAutograd")(_embeddin
 torch.library.register_fake("graphshard::embedding_seqs")(_embedding_seqs_fake)
 torch.library.register_autograd("graphshard::embedding_seqs", _embedding_bags_backward,
                                 setup_context=lambda ctx, inputs, output: setattr(ctx, "key", inputs[3]))
+
+
+torch.library.impl(lib, "scale_grad", "CompositeExplicitAutograd")(lambda x, scale: x.clone())
+torch.library.register_fake("graphshard::scale_grad")(lambda x, scale: torch.empty_like(x))
+torch.library.register_autograd("graphshard::scale_grad", lambda ctx, g: (g * ctx.scale, None),
+                                setup_context=lambda ctx, inputs, output: setattr(ctx, "scale", inputs[1]))
 
 
 def _check_ids_eager(values, lengths, limits, names):

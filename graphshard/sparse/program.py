@@ -11,7 +11,8 @@ pass into the compiled program, where every step is a graph node:
   all-to-all (data-dependent: ``.tolist()`` in the program, unbacked sizes in the graph).
   Received ids are regrouped feature-major over the world's batch ("recat").
 - *lookup*: one fused TBE per rank and group (``graphshard::tbe_lookup``), pooled by sum;
-  data-parallel tables by ``embedding_bag`` on the replicated weight.
+  data-parallel tables by ``embedding_bag`` on the replicated weight (under DMP: every rank's
+  bags on every rank, so the table's gradient is whole everywhere and needs no all-reduce).
 - *output distribution*: pooled rows go back to the rank whose sample they are, by an
   all-to-all (table- and column-wise) or a reduce-scatter (row-wise: each rank summed only
   its rows); columns are put in the collection's order; mean pooling divides by the bag size.
@@ -238,6 +239,27 @@ def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values
     return _blocks(back, batch, widths)
 
 
+def _gathered_bags(lengths2d, values, weights, table, group: str, world: int, rank: int):
+    """A data-parallel table's pooled bags of this rank (``[features * batch, dim]``), computed so
+    that the table's gradient needs no reduction: every rank's ids are gathered (an all-gather of
+    the lengths, an all-to-all of the ids), every rank looks up every rank's bags, keeps its own
+    (``ops.shard``), and in the backward gathers every rank's bag gradients back: each rank then
+    computes the whole batch's table gradient itself, made the mean by ``scale_grad``. The
+    exchange carries ids forward and pooled rows backward instead of an all-reduce of the whole
+    table's gradient (DDP's), which is far larger for a table of many rows."""
+    flat = lengths2d.reshape(-1)
+    n = values.shape[0]
+    all_lengths = ops.all_gather(flat, 0, world * flat.shape[0], group, world, rank)
+    counts = all_lengths.view(world, -1).sum(1).tolist()
+    all_values = ops.all_to_all(values.repeat(world), counts, [n] * world, group)
+    all_weights = ops.all_to_all(weights.repeat(world), counts, [n] * world, group) if weights is not None else None
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
+    pooled = F.embedding_bag(all_values, table, offsets, mode="sum", per_sample_weights=all_weights,
+                             include_last_offset=True)  # [world * features * batch, dim], rank-major
+    mine = ops.shard(pooled, 0, group, world, rank)
+    return sparse_ops.scale_grad(mine, 1.0 / world)
+
+
 def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: list[str],
                    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
                    state: list[torch.Tensor], dtype: torch.dtype, constants: dict | None = None,
@@ -284,8 +306,11 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     for t, weight in zip(plan.dp_tables, dp_weights):
         rows = [kpos[f] for f in t.features]
         l2d, v, w = permute_rows(rows, lengths2d, values, weights)
-        offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(l2d.reshape(-1))
-        pooled = F.embedding_bag(v, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
+        if layout.dp_gathered:
+            pooled = _gathered_bags(l2d, v, w, weight, group, world, rank)
+        else:
+            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(l2d.reshape(-1))
+            pooled = F.embedding_bag(v, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
         parts.append(pooled.view(len(t.features), batch, t.embedding_dim).transpose(0, 1)
                      .reshape(batch, len(t.features) * t.embedding_dim).to(dtype))
 

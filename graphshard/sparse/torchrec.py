@@ -86,7 +86,8 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
     return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables),
                             weighted=False if sequence else bool(module.is_weighted()), world=world, rank=rank,
                             group=group, local_world=local_world, host_group=host_group, cross_group=cross_group,
-                            sequence=sequence, attr="embeddings" if sequence else "embedding_bags")
+                            sequence=sequence, attr="embeddings" if sequence else "embedding_bags",
+                            dp_gathered=not sequence)
 
 
 def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
