@@ -181,6 +181,15 @@ def split_state(tbes, state: list) -> tuple[dict, list]:
     return per_group, state[at:]
 
 
+def read_kjt(layout: CollectionLayout, keys: list[str], values, lengths, bounds_check: bool):
+    """A KJT's feature positions, batch size, ``[features, batch]`` lengths, and its ids (bounds-checked)."""
+    kpos = {k: i for i, k in enumerate(keys)}
+    batch = lengths.shape[0] // len(keys)
+    if bounds_check:
+        values = check_ids(layout, keys, values, lengths)
+    return kpos, batch, lengths.view(len(keys), batch), values
+
+
 def check_ids(layout: CollectionLayout, keys: list[str], values, lengths):
     """The bounds check, where the user gave the ids (global ids, named features)."""
     kpos = {k: i for i, k in enumerate(keys)}
@@ -273,11 +282,7 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     """
     constants = constants or {}
     world, rank, group = layout.world, layout.rank, layout.group
-    kpos = {k: i for i, k in enumerate(keys)}
-    batch = lengths.shape[0] // len(keys)
-    lengths2d = lengths.view(len(keys), batch)
-    if bounds_check:
-        values = check_ids(layout, keys, values, lengths)
+    kpos, batch, lengths2d, values = read_kjt(layout, keys, values, lengths, bounds_check)
     parts = []
     per_group, dp_weights = split_state(tbes, state)
 

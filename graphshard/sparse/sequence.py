@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from graphshard.kernels.fbgemm_tbe import FusedTBE
 from graphshard.ops import ops
 from graphshard.sparse.layout import CollectionLayout
-from graphshard.sparse.program import LocalPlan, Slot, check_ids, permute_rows, send_ids, split_state
+from graphshard.sparse.program import LocalPlan, Slot, permute_rows, read_kjt, send_ids, split_state
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,10 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
     collection's feature order; with ``need_indices``, then each feature's ids."""
     constants = constants or {}
     world, rank, group = layout.world, layout.rank, layout.group
-    kpos = {k: i for i, k in enumerate(keys)}
-    batch = lengths.shape[0] // len(keys)
-    lengths2d = lengths.view(len(keys), batch)
-    if bounds_check:
-        values = check_ids(layout, keys, values, lengths)
+    kpos, batch, lengths2d, values = read_kjt(layout, keys, values, lengths, bounds_check)
     counts = lengths2d.sum(1).tolist()  # ids per feature: the program's one host sync of its own
     for c in counts:
-        torch._check_is_size(c)
+        torch._check(c >= 0)
     torch._check(sum(counts) == values.shape[0])
     per_group, dp_weights = split_state(tbes, state)
     blocks: dict[tuple[str, int], torch.Tensor] = {}  # (feature, first column) -> rows

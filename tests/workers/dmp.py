@@ -162,17 +162,21 @@ class Sequence(nn.Module):
         self.head = nn.Linear(len(features) * SEQ * DIM, 1)
 
     def forward(self, kjt):
-        from torchrec.sparse.jagged_tensor import JaggedTensor
+        return self.head(_padded(self.ec(kjt), self.features))
 
-        seqs = self.ec(kjt)
-        x = []
-        for f in self.features:
-            jt = seqs[f]
-            if jt.weights_or_none() is not None:  # need_indices: each row scaled by its id's parity
-                jt = JaggedTensor(values=jt.values() * (1 + jt.weights() % 2).unsqueeze(1).to(jt.values().dtype),
-                                  lengths=jt.lengths())
-            x.append(jt.to_padded_dense(SEQ).flatten(1))
-        return self.head(torch.cat(x, dim=1))
+
+def _padded(seqs: dict, features: list[str]) -> torch.Tensor:
+    """Each feature's rows padded to ``SEQ`` per sample, side by side: ``[batch, features * SEQ * DIM]``."""
+    from torchrec.sparse.jagged_tensor import JaggedTensor
+
+    x = []
+    for f in features:
+        jt = seqs[f]
+        if jt.weights_or_none() is not None:  # need_indices: each row scaled by its id's parity
+            jt = JaggedTensor(values=jt.values() * (1 + jt.weights() % 2).unsqueeze(1).to(jt.values().dtype),
+                              lengths=jt.lengths())
+        x.append(jt.to_padded_dense(SEQ).flatten(1))
+    return torch.cat(x, dim=1)
 
 
 class SeqTower(nn.Module):
@@ -183,8 +187,7 @@ class SeqTower(nn.Module):
         self.proj = nn.Linear(len(features) * SEQ * DIM, 8)
 
     def forward(self, kjt):
-        seqs = self.ec(kjt)
-        return self.proj(torch.cat([seqs[f].to_padded_dense(SEQ).flatten(1) for f in self.features], dim=1))
+        return self.proj(_padded(self.ec(kjt), self.features))
 
 
 class SeqTwoTower(nn.Module):
