@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import types
 import weakref
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from graphshard.styles import ModuleIO, layout_steps, placement_str
 _model_ids = itertools.count()
 _STATES: "weakref.WeakValueDictionary[int, ShardedState]" = weakref.WeakValueDictionary()
 _subclass_cache: dict[tuple[type, frozenset[str]], type] = {}
+_model_ids = itertools.count()
 
 
 @dataclass
@@ -331,19 +333,22 @@ def _install(mod: nn.Module, *, keys: dict[str, str], io: _BoundIO | None, root:
     wraps_forward = "_graphshard_io" in mod.__dict__ or "_graphshard_root" in mod.__dict__
     flat = frozenset(mod.__dict__.get("_graphshard_flat", ()))
     cache_key = (base, frozenset(keys), flat, wraps_forward)
-    sub = _subclass_cache.get(cache_key)
+    sub = None if root else _subclass_cache.get(cache_key)
     if sub is None:
         attrs = {name: property(_flat_getter(name) if name in flat else _marker_getter(name)) for name in keys}
         if wraps_forward:
-            attrs["forward"] = _wrapped_forward(base)
+            # a model's root gets a forward of its own code object: dynamo counts its recompile
+            # limit per code object, so models sharing one forward would stop compiling after a few
+            attrs["forward"] = _wrapped_forward(base, own_code=root)
         sub = type(base.__name__, (base,), {**attrs, "_graphshard_base": base, "__module__": base.__module__})
-        _subclass_cache[cache_key] = sub
+        if not root:
+            _subclass_cache[cache_key] = sub
     mod.__class__ = sub
     if keys:
         mod._graphshard_keys = keys
 
 
-def _wrapped_forward(base: type):
+def _wrapped_forward(base: type, own_code: bool = False):
     def forward(self, *args, **kwargs):
         io = self.__dict__.get("_graphshard_io")
         if io is not None:
@@ -358,7 +363,12 @@ def _wrapped_forward(base: type):
             out = base.forward(self, *args, **kwargs)
         return out if io is None else io.outputs(out)
 
-    return forward
+    if not own_code:
+        return forward
+    code = forward.__code__.replace(co_name=f"forward_{next(_model_ids)}")  # the same code, a distinct object
+    fn = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
+    fn.__qualname__ = f"{base.__qualname__}.forward"
+    return fn
 
 
 def _marker_getter(name: str):

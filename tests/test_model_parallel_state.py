@@ -63,8 +63,7 @@ def test_torchrec_state_interchanges(saved):
 
 
 def test_embedding_collection_state(tmp_path):
-    # its own process: each DMP compiles the shared wrapped forward, and dynamo stops compiling
-    # one code object after 8 (design.md, "Known limits")
+    # its own process, beside the DLRM checkpoint's
     (r,) = torchrun("dmp_state.py", [str(tmp_path), "sequence"], nproc=2)
     assert r["trained"] > 1e-3
     assert r["reshard_diff"] == 0.0 and r["next_loss_diff"] == 0.0, r  # DCP across plans

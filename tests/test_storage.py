@@ -110,3 +110,20 @@ def test_flat_params_need_one_requires_grad_per_unit():
     plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(flat_params=True)})
     with pytest.raises(ValueError, match=r"different requires_grad .*fc1.bias \(False\).*use_orig_params=True"):
         graphshard.shard(model, plan)
+
+
+def test_every_model_in_a_process_compiles():
+    # dynamo's recompile_limit (8) counts per code object; each model's root forward is its own
+    # code object, so the sixth model here compiles like the first (two graphs each: static,
+    # then dynamic sizes), none runs eagerly
+    from graphshard._compat import dynamo_counters
+
+    dynamo_counters().clear()
+    for _ in range(6):
+        model = mlp()
+        graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+        for batch in (4, 6, 8):
+            model(torch.randn(batch, 16)).sum().backward()
+        report = graphshard.explain(model)
+        assert sum(line.startswith("graph ") for line in report.splitlines()) == 2, report
+    assert dynamo_counters()["stats"]["unique_graphs"] == 12, dict(dynamo_counters()["stats"])
