@@ -185,9 +185,10 @@ def read_kjt(layout: CollectionLayout, keys: list[str], values, lengths, bounds_
     """A KJT's feature positions, batch size, ``[features, batch]`` lengths, and its ids (bounds-checked)."""
     kpos = {k: i for i, k in enumerate(keys)}
     batch = lengths.shape[0] // len(keys)
+    lengths2d = lengths.view(len(keys), batch)
     if bounds_check:
         values = check_ids(layout, keys, values, lengths)
-    return kpos, batch, lengths.view(len(keys), batch), values
+    return kpos, batch, lengths2d, values
 
 
 def check_ids(layout: CollectionLayout, keys: list[str], values, lengths):
