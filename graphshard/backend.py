@@ -40,6 +40,7 @@ from graphshard.ops import decompositions, ops
 from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
 from graphshard.rng import KeyStream
+from graphshard.sparse.ops import lookup_args
 from graphshard.storage import axis_group, state_for_key
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
-    if _sparse_collections(gm):  # a sequence lookup's output sizes are the data's
+    if any(map(lookup_args, gm.graph.nodes)):  # a sequence lookup's output sizes are the data's
         _compat.allow_data_dependent_sizes(fake_mode)
     traced = _trace_to_aten(gm, fake_inputs, fake_mode)
     keys = [n.args[1] for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.param.default]
@@ -169,7 +170,6 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepar
 def _sparse_collections(gm: fx.GraphModule) -> dict:
     """The embedding collections the graph looks up, by key (``shard_embeddings`` expands them)."""
     from graphshard.sparse.collection import collection_for
-    from graphshard.sparse.ops import lookup_args
 
     keys = [a[4] for a in map(lookup_args, gm.graph.nodes) if a is not None]
     return {k: collection_for(k) for k in keys}

@@ -31,7 +31,6 @@ from graphshard.styles import ModuleIO, layout_steps, placement_str
 _model_ids = itertools.count()
 _STATES: "weakref.WeakValueDictionary[int, ShardedState]" = weakref.WeakValueDictionary()
 _subclass_cache: dict[tuple[type, frozenset[str]], type] = {}
-_model_ids = itertools.count()
 
 
 @dataclass

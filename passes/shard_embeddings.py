@@ -30,8 +30,8 @@ from graphshard.sparse.ops import lookup_args, ops as sparse_ops
 def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     groups: dict[str, list[fx.Node]] = {}
     for n in gm.graph.nodes:
-        if lookup_args(n) is not None:
-            groups.setdefault(lookup_args(n)[4], []).append(n)
+        if (args := lookup_args(n)) is not None:
+            groups.setdefault(args[4], []).append(n)
     for key, nodes in groups.items():
         _expand(gm, nodes, ctx)
     if groups:

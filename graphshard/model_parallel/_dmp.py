@@ -120,6 +120,7 @@ class DistributedModelParallel(nn.Module):
                                        key=new_key(fqns[0]), hosts=hosts)
             self._collections.append(install(mod, layout, fused))
             self._sharded.append(_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
+        self._sequence = any(c.layout.sequence for c in self._collections)
         self._optim = _state.FusedOptimizer(self._collections)
         self._ddp_wrapped = False
         if init_data_parallel:
@@ -180,7 +181,7 @@ class DistributedModelParallel(nn.Module):
 
     def forward(self, *args, **kwargs) -> Any:
         _state.check_inputs(args, kwargs)
-        if any(c.layout.sequence for c in self._collections):
+        if self._sequence:
             # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
             with _compat.trace_data_dependent_outputs():
                 return self._dmp_wrapped_module(*args, **kwargs)
