@@ -606,3 +606,20 @@ class <lambda>(torch.nn.Module):
         sum_1: "f32[4]" = torch.ops.aten.sum.dim_IntList(cat, [0]);  cat = None
         return (sum_1,)
 """)
+
+
+@pytest.mark.parametrize("limits", [[8, 8, 8], [8, 6, 8], [8, -1, 8]], ids=["same_rows", "mixed_rows", "unused_feature"])
+def test_check_ids_names_the_feature(limits):
+    """``graphshard::check_ids`` (the pass puts it where the KJT enters): in-range ids pass through;
+    the first id outside its feature's table (a negative limit: an unused feature, only the sign)
+    is refused naming the feature, whichever of its checks (one min/max pass, or one per feature)
+    ran."""
+    names = "feature 'f0' (table 'a')\nfeature 'f1' (table 'b')\nfeature 'f2' (table 'a')"
+    lengths = torch.tensor([1, 2, 2, 0, 1, 1])  # 3 features x batch 2
+    ids = torch.tensor([7, 0, 5, 1, 2, 3, 4])
+    assert torch.equal(torch.ops.graphshard.check_ids(ids, lengths, limits, names), ids)
+    for at, bad, feature in [(1, -1, "f0"), (4, limits[1] if limits[1] > 0 else -2, "f1"), (6, 8, "f2")]:
+        wrong = ids.clone()
+        wrong[at] = bad
+        with pytest.raises(ValueError, match=f"id {bad} of feature '{feature}'"):
+            torch.ops.graphshard.check_ids(wrong, lengths, limits, names)
