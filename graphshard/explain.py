@@ -6,6 +6,7 @@ import operator
 from dataclasses import dataclass, field
 
 import torch.fx as fx
+import torch.nn as nn
 
 
 @dataclass
@@ -110,11 +111,15 @@ def explain(model) -> str:
     from graphshard.storage import state_of
 
     state = state_of(model)
+    if state is None and isinstance(getattr(model, "module", None), nn.Module):  # a wrapper (DMP): its module
+        state = state_of(model.module)
     if state is None:
         raise ValueError(f"{type(model).__name__} was not sharded by graphshard; call graphshard.compile first")
+    parts = [p.format() for p in state.preamble]
     if not state.explain:
-        text = "graphshard: no graph compiled yet; run a step first"
+        parts.append("graphshard: no graph compiled yet; run a step first")
     else:
-        text = "\n".join(r.format() for r in state.explain)
+        parts.extend(r.format() for r in state.explain)
+    text = "\n".join(parts)
     print(text)
     return text

@@ -42,6 +42,7 @@ class ShardedState:
     infos: dict[str, ParamInfo]                       # by key
     units: dict[str, list[str]]                       # unit FQN -> parameter keys, in registration order
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
+    preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
     flat: dict[str, "FlatUnit"] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
     owners: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)  # key -> (module holding it, attribute)

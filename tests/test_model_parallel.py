@@ -20,12 +20,14 @@ from _launch import torchrun
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
          "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "seq:rowwise_adagrad", "seq:sgd:dp",
-         "seqtwo:rowwise_adagrad"]
+         "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned"]
 """``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
 ``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``; ``fsdp``: graphshard's
 dense part sharded (``FullyShardDense``) in the same program as the sparse exchange; ``seq``: an
 ``EmbeddingCollection`` (one row per id; table-, row-, column-wise, and two shard widths on one
-rank), ``dp``: with a data-parallel table; ``seqtwo``: two towers holding one ``EmbeddingCollection``."""
+rank), ``dp``: with a data-parallel table; ``seqtwo``: two towers holding one ``EmbeddingCollection``;
+``planned``: ``plan=None``, graphshard's planner chooses (its collective plan), and TorchRec's DMP
+and the reference follow the plan it chose."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad", "seqtwo:rowwise_adagrad"}
@@ -96,3 +98,11 @@ def test_ids_exchange_overlaps_the_bottom_mlp(results):
     assert sum(e.startswith("all_gather") for e in before) == 1, order
     assert sum(e.startswith("wait") for e in before) == 3, order  # only the lengths' waits
     assert "sharded embeddings:" in report and "row_wise t_rw@0,1" in report
+
+
+def test_planned_plan_is_the_same_on_every_rank(results):
+    r = results["dlrm:rowwise_adagrad:planned"]
+    assert r["plans_equal"], r["sharding"]
+    assert set(r["sharding"]) == {"t_tw", "t_mean", "t_rw", "t_cw", "t_dp"}  # every table placed
+    report = r["explain"]
+    assert report.startswith("embedding plan (graphshard planner") and "measured" in report, report[:2000]

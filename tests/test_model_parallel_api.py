@@ -128,12 +128,18 @@ def test_dense_kernel_refused_with_the_fix():
         _dmp(model, ShardingPlan({"query.ebc": mp}))
 
 
-def test_default_plan_is_table_wise_round_robin():
+def test_default_plan_is_the_planners():
+    # plan=None: graphshard's planner (its collective plan), kept with its estimates for explain
+    from graphshard.model_parallel import EmbeddingShardingPlanner
+
     model = TwoTower()
     dmp = _dmp(model, None)
-    (mp,) = dmp.plan.plan.values()
+    (fqn, mp), = dmp.plan.plan.items()
+    expected = EmbeddingShardingPlanner().plan(TwoTower(), [EmbeddingBagCollectionSharder(fused_params={})])
+    assert fqn == "query.ebc" and set(mp) == {"a", "b"}
     assert {t: (ps.sharding_type, ps.ranks, ps.compute_kernel) for t, ps in mp.items()} == {
-        "a": ("table_wise", [0], "fused"), "b": ("table_wise", [1], "fused")}
+        t: (ps.sharding_type, ps.ranks, ps.compute_kernel) for t, ps in expected.plan["query.ebc"].items()}
+    assert {t.table for t in dmp._plan_estimate.tables} == {"a", "b"}
 
 
 def test_kjt_lengths_and_values_disagree():
@@ -187,9 +193,9 @@ def test_embedding_collection_state_and_default_plan():
     torch.manual_seed(0)
     model = Sequence()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dmp = _seq_dmp(model, None)  # table-wise round-robin covers EmbeddingCollections too
-    (mp,) = dmp.plan.plan.values()
-    assert {t: (ps.sharding_type, ps.ranks) for t, ps in mp.items()} == {"a": ("table_wise", [0]), "b": ("table_wise", [1])}
+    assert set(next(iter(_seq_dmp(Sequence(), None).plan.plan.values()))) == {"a", "b"}  # the planner plans ECs
+    tw = {"a": table_wise(rank=0, compute_kernel=FUSED), "b": table_wise(rank=1, compute_kernel=FUSED)}
+    dmp = _seq_dmp(model, ShardingPlan({"ec": _module_plan(model.ec, tw)}))
     coll = dmp._collections[0]
     assert coll.layout.sequence and coll.layout.attr == "embeddings"
     assert sorted(dmp.state_dict()) == sorted(before) == ["ec.embeddings.a.weight", "ec.embeddings.b.weight"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +26,7 @@ from graphshard import _compat
 from graphshard.backend import graphshard_backend
 from graphshard.config import CompileConfig
 from graphshard.model_parallel import _plan, _state
+from graphshard.model_parallel._planner import EmbeddingShardingPlanner
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sparse.collection import new_key
 from graphshard.sparse.torchrec import collection_layout, install
@@ -60,8 +62,9 @@ def _dense_spec(wrapper):
 class DistributedModelParallel(nn.Module):
     """TorchRec's ``DistributedModelParallel`` (same signature), compiled by graphshard.
 
-    ``plan`` is a TorchRec ``ShardingPlan``; ``None`` places each table whole on one rank,
-    round-robin (``explain`` prints it). ``sharders`` supply the fused optimizer's
+    ``plan`` is a TorchRec ``ShardingPlan``; ``None`` asks graphshard's
+    ``EmbeddingShardingPlanner`` for one (its collective plan: the same on every rank;
+    ``explain`` prints it with its estimates and the measured step time). ``sharders`` supply the fused optimizer's
     ``fused_params`` (``EmbeddingBagCollectionSharder(fused_params=...)``); an
     ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
     on the CPU, the tables keep the module's weights (``init_parameters`` only materializes
@@ -93,9 +96,14 @@ class DistributedModelParallel(nn.Module):
                           else [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
         found = _plan.find_modules(module)
         world, rank = self._env.world_size, self._env.rank
-        if plan is None:
-            plan = ShardingPlan(_plan.round_robin(found, world, self.device.type))
-            log.info("DistributedModelParallel: no plan given; table-wise round-robin: %s", plan)
+        self._plan_estimate = None
+        if plan is None:  # TorchRec's default: its planner's collective plan; here graphshard's planner
+            planner = EmbeddingShardingPlanner(debug=False)
+            plan = planner.collective_plan(module, self._sharders, self._env.process_group)
+            self._plan_estimate = planner.estimate
+            log.info("DistributedModelParallel: no plan given; graphshard's planner chose:\n%s",
+                     self._plan_estimate.format())
+        self._last_forward: float | None = None
         known = {f for _, fqns in found.values() for f in fqns}
         for fqn in plan.plan:
             if fqn not in known:
@@ -160,6 +168,8 @@ class DistributedModelParallel(nn.Module):
         mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
         if state_of(module) is None:
             shard(module, Plan(mesh, self._dense_rules(), ignored_params=self._whole_gradients()))
+            if self._plan_estimate is not None:
+                state_of(module).preamble.append(self._plan_estimate)
         module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
         self._ddp_wrapped = True
 
@@ -181,6 +191,11 @@ class DistributedModelParallel(nn.Module):
 
     def forward(self, *args, **kwargs) -> Any:
         _state.check_inputs(args, kwargs)
+        if self._plan_estimate is not None:  # the measured step beside the planner's estimate (explain)
+            now = time.perf_counter()
+            if self._last_forward is not None:
+                self._plan_estimate.measured[:] = self._plan_estimate.measured[-99:] + [now - self._last_forward]
+            self._last_forward = now
         if self._sequence:
             # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
             with _compat.trace_data_dependent_outputs():

@@ -3,8 +3,7 @@
 - Each sharded module is found once by identity, with every FQN it is reachable under (two
   towers holding one ``EmbeddingBagCollection``; an ``EmbeddingCollection`` likewise). The plan may name any of those FQNs; the
   same plan under several of them is one plan, two different plans for one module is an error.
-- ``plan=None``: table-wise, round-robin over the ranks, fused kernel (until graphshard's
-  planner exists); ``explain`` prints it.
+- ``plan=None``: graphshard's planner chooses (``_planner.py``); ``explain`` prints its plan.
 - The fused optimizer of a module's tables: ``apply_optimizer_in_backward`` on its table
   weights (TorchRec's in-backward optimizer, read from the parameters), else the sharder's
   ``fused_params``, else fbgemm's defaults (EXACT_SGD, learning rate 0.01).
@@ -65,23 +64,6 @@ def module_plan(fqns: list[str], plan) -> dict | None:
                 "shardings; a module is sharded once: give both FQNs the same plan or name only one"
             )
     return dict(first)
-
-
-def round_robin(found: dict, world: int, device_type: str) -> dict[str, dict]:
-    """Table-wise plans, tables placed on ranks 0, 1, ... in order across modules, fused kernel."""
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-
-    from graphshard.sparse.torchrec import table_configs
-
-    plans, rank = {}, 0
-    for mod, fqns in found.values():
-        per_param = {}
-        for cfg in table_configs(mod):
-            per_param[cfg.name] = table_wise(rank=rank % world, compute_kernel="fused")
-            rank += 1
-        plans[fqns[0]] = construct_module_sharding_plan(mod, per_param_sharding=per_param, world_size=world,
-                                                        device_type=device_type)
-    return plans
 
 
 def fused_params_of(module: nn.Module, fqn: str, sharder) -> dict:

@@ -274,10 +274,17 @@ def _fused(optimizer: str) -> dict:
     return {"optimizer": kind, "learning_rate": LR, "eps": EPS}
 
 
+_PLANNED: list = []
+"""``planned``: the plan graphshard's DMP chose with ``plan=None`` (its planner's collective plan),
+which TorchRec's DMP and the reference then follow."""
+
+
 def _plan(model: str, module: nn.Module, world: int):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
 
+    if _PLANNED:
+        return _PLANNED[0]
     fqn = _ebc_fqn(model)
     ebc = module.get_submodule(fqn)
     return ShardingPlan({fqn: construct_module_sharding_plan(ebc, per_param_sharding=_sharding(model, world),
@@ -461,9 +468,15 @@ def run(case: str) -> dict:
         _in_backward(model, gs_model, optimizer, world)
     from graphshard.model_parallel import FullyShardDense
 
-    gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=_plan(model, gs_model, world),
+    _PLANNED.clear()
+    gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"),
+                       plan=None if "planned" in flags else _plan(model, gs_model, world),
                        sharders=[_sharder(model, fused)],
                        data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
+    plans = [None] * world
+    dist.all_gather_object(plans, repr(gs.plan))
+    if "planned" in flags:
+        _PLANNED.append(gs.plan)
     gs_losses = _train(gs, model, range(STEPS), rank, world)
     gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
     import graphshard
@@ -496,6 +509,8 @@ def run(case: str) -> dict:
         "moved": {k: float((ref_state[k] - init[k]).abs().max()) for k in ref_state if k in init},
         "explain": report,
         "graphs": sum(1 for line in report.splitlines() if line.startswith("graph ")),
+        "plans_equal": len(set(plans)) == 1,
+        "sharding": {t: ps.sharding_type for mp in gs.plan.plan.values() for t, ps in mp.items()},
     }
 
 
