@@ -3,7 +3,8 @@
 DLRM (``torchrec.models.dlrm.DLRM``): 8 tables of ``--rows`` rows, dim 64, one feature each,
 ``--batch`` samples per rank with ``--pooling`` ids per bag on average; every table under the
 one sharding type S (tw: table-wise round-robin, rw: row-wise, cw: column-wise over all
-ranks, dp: data-parallel), fused row-wise Adagrad for sharded tables, SGD for the dense part.
+ranks, dp: data-parallel; planned / trplanned: the plan graphshard's / TorchRec's planner chooses,
+told the pooling factor and batch), fused row-wise Adagrad for sharded tables, SGD for the dense part.
 V is ``torchrec`` (TorchRec's DistributedModelParallel) or ``graphshard``
 (graphshard.model_parallel's): the same model, plan, data and optimizers. Rank 0 writes the
 median step time, the bytes this rank's collectives move per step, and peak live memory.
@@ -26,7 +27,7 @@ TABLES, DIM, DENSE_IN = 8, 64, 13
 def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--variant", required=True, choices=["torchrec", "graphshard"])
-    p.add_argument("--sharding", required=True, choices=["tw", "rw", "cw", "dp"])
+    p.add_argument("--sharding", required=True, choices=["tw", "rw", "cw", "dp", "planned", "trplanned"])
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--pooling", type=int, default=10)
@@ -51,6 +52,8 @@ def build(args, world):
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[128, DIM],
                  over_arch_layer_sizes=[128, 1])
+    if args.sharding in ("planned", "trplanned"):
+        return model, _planned(args, model, world)
     f = "fused"
     kind = {"tw": lambda i: table_wise(rank=i % world, compute_kernel=f), "rw": lambda i: row_wise(compute_kernel=f),
             "cw": lambda i: column_wise(ranks=list(range(world)), compute_kernel=f),
@@ -58,6 +61,35 @@ def build(args, world):
     plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
         ebc, per_param_sharding={f"t{i}": kind(i) for i in range(TABLES)}, world_size=world, device_type="cpu")})
     return model, plan
+
+
+FUSED = None  # set in run(): the fused optimizer both DMPs and the planners see
+
+
+def _planned(args, model, world):
+    """The plan of a planner, the same on every rank (its collective plan): graphshard's
+    (``planned``) or TorchRec's (``trplanned``), told the workload (pooling factor, batch)."""
+    import torch.distributed as dist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.types import ParameterConstraints, Topology
+
+    if args.sharding == "planned":
+        from graphshard.model_parallel import EmbeddingShardingPlanner
+    else:
+        from torchrec.distributed.planner import EmbeddingShardingPlanner
+    constraints = {f"t{i}": ParameterConstraints(pooling_factors=[float(args.pooling)]) for i in range(TABLES)}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       batch_size=args.batch, constraints=constraints)
+    return planner.collective_plan(model, [EmbeddingBagCollectionSharder(fused_params=FUSED)], dist.group.WORLD)
+
+
+def describe(plan) -> str:
+    """``table_wise x4 @0, table_wise x4 @1``: the plan's tables by sharding type and ranks."""
+    from collections import Counter
+
+    kinds = Counter(f"{ps.sharding_type} @{','.join(map(str, ps.ranks))}" for mp in plan.plan.values()
+                    for ps in mp.values())
+    return ", ".join(f"{k.split(' ')[0]} x{n} {k.split(' ')[1]}" for k, n in sorted(kinds.items()))
 
 
 def batches(args, rank, n):
@@ -86,9 +118,10 @@ def run(args, ctx):
         from torchrec.distributed.model_parallel import DistributedModelParallel
     else:
         from graphshard.model_parallel import DistributedModelParallel
+    global FUSED
+    fused = FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
     model, plan = build(args, ctx.world)
     t0 = time.perf_counter()
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan,
                                    sharders=[EmbeddingBagCollectionSharder(fused_params=fused)])
@@ -115,7 +148,7 @@ def run(args, ctx):
             "cpu_s": cpu_s, "bytes_per_step": sum(r["bytes"] for r in per_rank) / len(per_rank),
             "collectives_per_step": comm["calls"], "peak_live_mib": max(r["peak"] for r in per_rank) / 2**20,
             "resident_mib": resident / 2**20, "memory_method": method, "loss_last": losses[-1],
-            "by_kind": comm["by_kind"]}
+            "by_kind": comm["by_kind"], "plan": describe(plan)}
 
 
 if __name__ == "__main__":

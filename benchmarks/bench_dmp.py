@@ -6,7 +6,8 @@ python benchmarks/bench_dmp.py --quick             # smoke run: 1 rep, fewer ste
 ```
 
 DLRM with 8 tables (dim 64, ``--rows`` rows, one feature each), batch 512 per rank, all
-tables under one sharding type per run (tw, rw, cw, dp), fused row-wise Adagrad (see
+tables under one sharding type per run (tw, rw, cw, dp), or the plan of graphshard's planner
+(planned) or of TorchRec's planner (trplanned), run by both DMPs; fused row-wise Adagrad (see
 ``_dmp_worker.py``). For each repetition and sharding type the two DMPs run back to back, each
 its own ``torchrun``; ratios are medians over repetitions of same-repetition pairs. Targets
 (printed beside the ratio, never asserted): step time at most 0.8x TorchRec's, bytes moved no
@@ -25,7 +26,7 @@ import _common as C  # noqa: E402
 import _launch  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dmp_worker.py")
-SHARDINGS = ("tw", "rw", "cw", "dp")
+SHARDINGS = ("tw", "rw", "cw", "dp", "planned", "trplanned")
 VARIANTS = ("torchrec", "graphshard")
 TARGETS = {"step_s": 0.80, "bytes_per_step": 1.00, "peak_live_mib": None}
 
@@ -76,7 +77,8 @@ def main(argv=None) -> int:
 
     rows = []
     for sharding in args.shardings:
-        row = [sharding]
+        plan = next((r.get("plan") for r in records if r["sharding"] == sharding and r.get("status") == "ok"), None)
+        row = [f"{sharding} ({plan})" if sharding.endswith("planned") and plan else sharding]
         for variant in VARIANTS:
             row += [C.fmt(C.median(per_rep(variant, sharding, "step_s")), 4),
                     C.fmt((C.median(per_rep(variant, sharding, "bytes_per_step")) or 0) / 2**20, 2),
