@@ -32,6 +32,13 @@ NEEDS_TORCHREC
   "$PY" -m pip install -q --no-deps "fbgemm-gpu-cpu==1.8.0" "torchrec==1.9.2"
   "$PY" -m pip install -q "tensordict==0.15.3" "torchmetrics==1.0.3" "pyre-extensions==0.0.32"
 fi
+# Triton, optional (graphshard's own TBE kernels, kernels/triton_tbe.py; on CPU they run under
+# TRITON_INTERPRET=1): 3.6, the version the GPU machine has preinstalled (a local build such as
+# 3.6.0+git... counts). Optional, so a failed install (no registry) is reported, not fatal.
+"$PY" -c 'import triton, sys; sys.exit(triton.__version__.split("+")[0].split(".")[:2] != ["3", "6"])' 2>/dev/null || {
+  echo "setup: installing triton==3.6.0 (optional)" >&2
+  "$PY" -m pip install -q "triton==3.6.0" || echo "setup: could not install triton==3.6.0; the Triton TBE tests will be skipped" >&2
+}
 # (Re)install unless graphshard is already importable from THIS checkout with its backend entry point.
 if ! "$PY" - "$PWD" <<'CHECK' 2>/dev/null; then
 import os, sys, importlib.metadata as m
