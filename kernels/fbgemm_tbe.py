@@ -198,8 +198,13 @@ class FusedTBE(nn.Module):
     """
 
     def __init__(self, shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], *,
-                 fused_params: dict, row_offsets: Sequence[int], bounds_check: bool = True, grad_scale: float = 1.0):
+                 fused_params: dict, row_offsets: Sequence[int], bounds_check: bool = True, grad_scale: float = 1.0,
+                 kernel: str = "fbgemm"):
         super().__init__()
+        if kernel not in ("fbgemm", "triton"):
+            raise ValueError(f"FusedTBE kernel={kernel!r}: use 'fbgemm' (compute_kernel='fused') or 'triton' "
+                             "(compute_kernel='fused_triton')")
+        self.kernel = kernel
         EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = _fbgemm()
         tables = [s.table for s in slots]
         if tables != sorted(tables):
@@ -240,6 +245,24 @@ class FusedTBE(nn.Module):
         self._table_offsets = _starts(ref.weights_host, ref.split_embedding_weights())
         self._state_offsets = (_starts(ref.momentum1_host, [s[0] for s in ref.split_optimizer_states()])
                                if self.optimizer != "sgd" else [])
+        if kernel == "triton":
+            self._triton_buffers(shapes, slots)
+
+    def _triton_buffers(self, shapes, slots) -> None:
+        """The Triton kernel's layout tensors. It reads and updates fbgemm's own buffers in place:
+        tables one after another, the state per row (row-wise Adagrad) or per weight (Adagrad)."""
+        from graphshard.kernels.triton_tbe_op import layout_buffers
+
+        for name, t in layout_buffers(shapes, [s.table for s in slots]).items():
+            self.register_buffer(f"triton_{name}", t, persistent=False)
+        assert self._table_offsets == self.triton_weights_offsets.tolist(), (self._table_offsets, shapes)
+        if self.optimizer == "rowwise_adagrad":
+            assert self._state_offsets == self.triton_row_offsets.tolist(), self._state_offsets
+        elif self.optimizer == "adagrad":
+            assert self._state_offsets == self._table_offsets, self._state_offsets
+        if self.optim_args[3]:
+            raise NotImplementedError(f"max_norm={self.optim_args[3]}: the 'fused_triton' kernel has no max_norm; "
+                                      "use compute_kernel='fused'")
 
     @property
     def learning_rate(self) -> float:
@@ -270,6 +293,10 @@ class FusedTBE(nn.Module):
     """The layout tensors the kernels read that never change (a traced program holds them as constants)."""
 
     def constants(self) -> dict[str, torch.Tensor]:
+        if self.kernel == "triton":
+            from graphshard.kernels.triton_tbe_op import LAYOUT
+
+            return {f"triton_{name}": getattr(self, f"triton_{name}") for name in LAYOUT}
         return {name: getattr(self, name) for name in self.CONSTANTS}
 
     def lookup_with(self, token: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor,
@@ -277,6 +304,14 @@ class FusedTBE(nn.Module):
                     constants: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """``lookup`` with the state tensors (and, when tracing, the layout constants) given."""
         c = constants or self.constants()
+        if self.kernel == "triton":
+            from graphshard.kernels.triton_tbe_op import LAYOUT
+
+            return torch.ops.graphshard.triton_tbe_lookup(
+                token, weights, momentum, lr, *(c[f"triton_{name}"] for name in LAYOUT), indices, offsets,
+                per_sample_weights, [v for shape in self.shapes for v in shape], [s.table for s in self.slots],
+                self.total_D, self.optimizer, list(self.optim_args), self.bounds_check, self.grad_scale,
+            )
         return torch.ops.graphshard.tbe_lookup(
             token, weights, momentum, lr, c["weights_offsets"], c["D_offsets"], c["hash_size_cumsum"],
             c["momentum_offsets"], c["rows"], indices, offsets, per_sample_weights,

@@ -166,7 +166,8 @@ def _describe(coll, uses: int) -> str:
     for t in lay.tables:
         where = ",".join(str(s.rank) for s in t.shards) if t.sharding_type != "data_parallel" else "all"
         kinds.setdefault(t.sharding_type, []).append(f"{t.name}@{where}")
-    tbes = ", ".join(f"{name}: {len(m.shapes)} table shard(s), {m.optimizer}" for name, m in coll.tbes.items()
+    tbes = ", ".join(f"{name}: {len(m.shapes)} table shard(s), {m.optimizer}"
+                     + (f", {m.kernel} kernel" if m.kernel != "fbgemm" else "") for name, m in coll.tbes.items()
                      if hasattr(m, "shapes"))
     return (f"{lay.fqns[0]}: " + "; ".join(f"{k} {' '.join(v)}" for k, v in kinds.items())
             + f" | rank {lay.rank} fused TBEs: {tbes or 'none'}"

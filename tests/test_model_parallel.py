@@ -20,14 +20,16 @@ from _launch import torchrun
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
          "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "seq:rowwise_adagrad", "seq:sgd:dp",
-         "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned"]
+         "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned", "dlrm:rowwise_adagrad:triton"]
 """``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
 ``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``; ``fsdp``: graphshard's
 dense part sharded (``FullyShardDense``) in the same program as the sparse exchange; ``seq``: an
 ``EmbeddingCollection`` (one row per id; table-, row-, column-wise, and two shard widths on one
 rank), ``dp``: with a data-parallel table; ``seqtwo``: two towers holding one ``EmbeddingCollection``;
 ``planned``: ``plan=None``, graphshard's planner chooses (its collective plan), and TorchRec's DMP
-and the reference follow the plan it chose."""
+and the reference follow the plan it chose; ``triton``: graphshard's sharded tables with
+``compute_kernel="fused_triton"`` (its Triton TBE, under Triton's interpreter on the CPU),
+TorchRec's with ``fused`` (fbgemm's)."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad", "seqtwo:rowwise_adagrad"}

@@ -9,27 +9,12 @@ interpreter, which must be switched on before the kernel module is imported.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-# Without a GPU the kernels run under Triton's interpreter, which @triton.jit picks when the kernel
-# module is imported. The variable is set only for that import, and put back after, so the rest of
-# the test session (and the processes it starts) does not inherit it.
-_INTERPRET = os.environ.get("TRITON_INTERPRET")
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton and the kernels are imported
+from _triton import import_kernel
 
-import pytest  # noqa: E402
-
-try:
-    pytest.importorskip("triton")
-    from graphshard.kernels import triton_tbe  # noqa: E402
-finally:
-    if _INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _INTERPRET
+triton_tbe = import_kernel("triton_tbe")
 from graphshard.kernels.tbe_reference import (  # noqa: E402
     TBELayout, TBEOptimizer, reference_forward, reference_update_,
 )

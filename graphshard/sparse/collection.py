@@ -107,7 +107,8 @@ class SparseCollection:
     def _fused(self, name: str, shards: list[tuple[TableLayout, TableShard]], weights) -> FusedTBE:
         """One group's TBE holding ``shards``, with this rank's pieces of ``weights`` copied in. A
         sequence group's shards (one width) are stacked into one table of the TBE."""
-        common = dict(fused_params=self.fused_params, bounds_check=False, grad_scale=1.0 / self.layout.world)
+        common = dict(fused_params=self.fused_params, bounds_check=False, grad_scale=1.0 / self.layout.world,
+                      kernel=self.layout.kernel)
         if self.layout.sequence:
             starts = row_starts([s for _, s in shards])
             tbe = FusedTBE([(sum(s.rows for _, s in shards), shards[0][1].cols)],

@@ -128,6 +128,7 @@ class CollectionLayout:
     sequence: bool = False  # one row per id (EmbeddingCollection), not pooled per sample
     dp_gathered: bool = False  # data-parallel tables look up every rank's bags (program._gathered_bags)
     attr: str = "embedding_bags"  # the module's table container, as the state dict names it
+    kernel: str = "fbgemm"  # the sharded tables' TBE kernel: fbgemm's ('fused') or graphshard's Triton ('fused_triton')
 
     @property
     def hosts(self) -> int:

@@ -33,6 +33,10 @@ def is_sequence(module: nn.Module) -> bool:
     return isinstance(module, EmbeddingCollection)
 
 
+_KERNELS = {"fused": "fbgemm", "fused_triton": "triton"}
+"""TorchRec's compute kernels graphshard runs on sharded tables -> ``FusedTBE``'s kernel."""
+
+
 def table_configs(module: nn.Module) -> list:
     """The module's table configs (``EmbeddingBagConfig`` s or ``EmbeddingConfig`` s), in its output order."""
     return list(module.embedding_configs() if is_sequence(module) else module.embedding_bag_configs())
@@ -57,6 +61,7 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
             "ParameterSharding (construct_module_sharding_plan with per_param_sharding)"
         )
     tables = []
+    kernels: dict[str, list[str]] = {}  # TBE kernel -> the sharded tables that ask for it
     for c in configs:
         ps = module_plan[c.name]
         pooling = "sum" if sequence else _POOLING.get(getattr(c.pooling, "name", str(c.pooling)))
@@ -73,17 +78,24 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
                            md.shard_sizes[1])
                 for md in ps.sharding_spec.shards
             )
-        if st != "data_parallel" and str(ps.compute_kernel) != "fused":
+        if st != "data_parallel" and str(ps.compute_kernel) not in _KERNELS:
             raise NotImplementedError(
                 f"{fqns[0]}: table {c.name!r} is {st} with compute kernel {ps.compute_kernel!r}; graphshard shards "
-                "tables with the 'fused' kernel (fbgemm TBE, optimizer in the backward): build the plan with "
-                "compute_kernel='fused' (table_wise(rank=0, compute_kernel='fused'), ...). TorchRec's helpers "
-                "default to 'dense' on the CPU, a dense gradient for the user's optimizer, which graphshard "
-                "does not run yet"
+                "tables with the 'fused' kernel (fbgemm TBE, optimizer in the backward) or 'fused_triton' "
+                "(graphshard's Triton TBE): build the plan with compute_kernel='fused' "
+                "(table_wise(rank=0, compute_kernel='fused'), ...). TorchRec's helpers default to 'dense' on the "
+                "CPU, a dense gradient for the user's optimizer, which graphshard does not run yet"
             )
+        if st != "data_parallel":
+            kernels.setdefault(_KERNELS[str(ps.compute_kernel)], []).append(c.name)
         tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
+    if len(kernels) > 1:
+        raise NotImplementedError(
+            f"{fqns[0]}: tables {kernels.get('fbgemm')} use compute kernel 'fused' and {kernels.get('triton')} "
+            "'fused_triton'; a module's sharded tables share one kernel: give them the same compute_kernel"
+        )
     local_world, host_group, cross_group = hosts or (None, None, None)
-    return CollectionLayout(key=key, fqns=fqns, tables=tuple(tables),
+    return CollectionLayout(kernel=next(iter(kernels), "fbgemm"), key=key, fqns=fqns, tables=tuple(tables),
                             weighted=False if sequence else bool(module.is_weighted()), world=world, rank=rank,
                             group=group, local_world=local_world, host_group=host_group, cross_group=cross_group,
                             sequence=sequence, attr="embeddings" if sequence else "embedding_bags",

@@ -101,7 +101,7 @@ def _tables(model: str):
 def _sharding(model: str, world: int) -> dict:
     from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_row_wise, table_wise
 
-    fused = "fused"  # TorchRec's helpers default to the dense kernel on the CPU (no fused optimizer)
+    fused = _KERNEL[0]  # TorchRec's helpers default to the dense kernel on the CPU (no fused optimizer)
     if model == "dlrm4":  # 4 ranks as 2 hosts x 2 (LOCAL_WORLD_SIZE=2)
         return {"t_twrw0": _fused_kernel(table_row_wise(host_index=0)), "t_twrw1": _fused_kernel(table_row_wise(host_index=1)),
                 "t_tw": table_wise(rank=3, compute_kernel=fused), "t_rw": row_wise(compute_kernel=fused),
@@ -125,7 +125,7 @@ def _fused_kernel(generator):
     """TorchRec's ``table_row_wise`` helper takes no compute kernel (the CPU default is dense)."""
     def make(*args, **kwargs):
         ps = generator(*args, **kwargs)
-        ps.compute_kernel = "fused"
+        ps.compute_kernel = _KERNEL[0]
         return ps
     return make
 
@@ -264,6 +264,10 @@ def loss_of(out, labels):
 
 
 _FLAGS: list[str] = []  # the running case's flags
+_KERNEL = ["fused"]
+"""The sharded tables' compute kernel in the plans ``_sharding`` builds: ``fused_triton`` for
+graphshard's DMP in a ``triton`` case (TorchRec's DMP and the reference keep ``fused``: the same
+math with fbgemm's kernel)."""
 
 
 def _fused(optimizer: str) -> dict:
@@ -469,10 +473,14 @@ def run(case: str) -> dict:
     from graphshard.model_parallel import FullyShardDense
 
     _PLANNED.clear()
+    if "triton" in flags and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # read when graphshard's Triton kernels are first imported
+    _KERNEL[0] = "fused_triton" if "triton" in flags else "fused"
     gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"),
                        plan=None if "planned" in flags else _plan(model, gs_model, world),
                        sharders=[_sharder(model, fused)],
                        data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
+    _KERNEL[0] = "fused"
     plans = [None] * world
     dist.all_gather_object(plans, repr(gs.plan))
     if "planned" in flags:
