@@ -21,7 +21,8 @@ from _launch import torchrun  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
 TOL = 1e-5
-CASES = {2: ["dp:sgd", "dp:rowwise_adagrad"], 4: ["dp_tp:rowwise_adagrad"]}
+CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "dp:rowwise_adagrad:triton"], 4: ["dp_tp:rowwise_adagrad"]}
+"""``triton``: the sharded tables run graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,7 @@ class Bags(nn.Module):
      r"bag is a Embedding; ShardEmbedding shards nn.EmbeddingBag \(for a vocabulary-parallel nn.Embedding use RowwiseParallel\)"),
     (nn.EmbeddingBag(10, 8), ShardEmbedding("table_row_wise"), NotImplementedError, r"table-row-wise needs hosts"),
     (nn.EmbeddingBag(10, 8), ShardEmbedding("row_wise", optimizer="adam"), ValueError, r"optimizer 'adam'"),
+    (nn.EmbeddingBag(10, 8), ShardEmbedding("row_wise", kernel="cuda"), ValueError, r"kernel 'cuda'; expected"),
 ])
 def test_bad_specs(bag, spec, error, match):
     model = Bags(bag)

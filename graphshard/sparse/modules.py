@@ -100,6 +100,8 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
             raise NotImplementedError(f"{fqn}: nn.EmbeddingBag({attr}={getattr(mod, attr)}) is not supported sharded")
     if spec.optimizer not in _OPTIMIZERS:
         raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {tuple(_OPTIMIZERS)}")
+    if spec.kernel not in ("fbgemm", "triton"):
+        raise ValueError(f"{fqn}: ShardEmbedding kernel {spec.kernel!r}; expected 'fbgemm' or 'triton'")
     axis = _axis(plan, spec, fqn)
     group = plan.group(axis)
     import torch.distributed as dist
@@ -112,7 +114,7 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
     layout = CollectionLayout(key=new_key(fqn), fqns=(fqn,), tables=(table,), weighted=False, world=world,
                               rank=rank, group=group.group_name,
                               global_ranks=tuple(dist.get_process_group_ranks(group)),
-                              all_groups=_axis_groups(plan, axis))
+                              all_groups=_axis_groups(plan, axis), kernel=spec.kernel)
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
     fused = {"optimizer": getattr(EmbOptimType, _OPTIMIZERS[spec.optimizer]), "learning_rate": spec.learning_rate,

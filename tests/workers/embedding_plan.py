@@ -14,6 +14,7 @@ through ``state_dict()``) and the state-dict keys.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 
 import torch
@@ -106,11 +107,15 @@ def run(case: str) -> dict:
     from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh_kind, optimizer = case.split(":")
+    mesh_kind, optimizer, *flags = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
     base = Net()
     model = copy.deepcopy(base)
     kw = dict(optimizer=optimizer, learning_rate=LR, eps=EPS)
+    if "triton" in flags:  # graphshard's Triton TBE (under Triton's interpreter on the CPU)
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are first imported
+        kw["kernel"] = "triton"
     embeddings = {"emb_rw": ShardEmbedding("row_wise", **kw), "emb_tw": ShardEmbedding("table_wise", ranks=(1,), **kw),
                   "emb_cw": ShardEmbedding("column_wise", **kw), "emb_dp": ShardEmbedding("data_parallel")}
     if mesh_kind == "dp":
