@@ -115,7 +115,8 @@ def explain(model) -> str:
         state = state_of(model.module)
     if state is None:
         raise ValueError(f"{type(model).__name__} was not sharded by graphshard; call graphshard.compile first")
-    parts = [p.format() for p in state.preamble]
+    parts = (["plan notes:"] + [f"  {n}" for n in state.plan.notes] if state.plan.notes else [])
+    parts += [p.format() for p in state.preamble]
     if not state.explain:
         parts.append("graphshard: no graph compiled yet; run a step first")
     else:

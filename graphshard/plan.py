@@ -184,10 +184,12 @@ class Plan:
     sharded, not gathered, their gradients not reduced (each rank keeps its own), plain
     tensors in ``named_parameters()`` and ``state_dict()``. A parameter reachable under
     several FQNs is ignored when any of them matches.
+
+    ``notes``: lines ``explain`` prints before the compiled graphs (``auto_plan``'s reasons).
     """
 
     def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False,
-                 collectives: str = "auto", ignored_params: Iterable[str] = ()):
+                 collectives: str = "auto", ignored_params: Iterable[str] = (), notes: Iterable[str] = ()):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
@@ -216,6 +218,7 @@ class Plan:
             raise ValueError(f"Plan(ignored_params={ignored_params!r}): expected parameter FQN globs (strings), "
                              "e.g. ('head.**', 'emb.weight')")
         self.ignored_params = tuple(ignored_params)
+        self.notes = tuple(notes)
         # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
         self.tp_axis = TP_AXIS if TP_AXIS in axes or len(axes) != 1 else axes[0]
         mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}

@@ -21,8 +21,10 @@ from _launch import torchrun  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
 TOL = 1e-5
-CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "dp:rowwise_adagrad:triton"], 4: ["dp_tp:rowwise_adagrad"]}
-"""``triton``: the sharded tables run graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``)."""
+CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "dp:rowwise_adagrad:triton", "auto:rowwise_adagrad"],
+         4: ["dp_tp:rowwise_adagrad"]}
+"""``triton``: the sharded tables run graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``);
+``auto``: the plan is ``graphshard.auto_plan``'s (dense units and tables in an 8 KiB budget)."""
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,8 @@ def test_matches_single_process(results, case):
     assert r["loss"] <= TOL, r
     bad = {k: v for k, v in r["params"].items() if v > TOL}
     assert not bad and set(r["params"]) == set(r["ref_keys"]), r["params"]
-    assert "row_wise emb_rw@0,1" in r["explain"] and "fallbacks: none" in r["explain"]
+    rw = r["chosen"]["emb_rw"]  # the auto plan's choice, the hand plans' row-wise
+    assert f"{rw} emb_rw@0,1" in r["explain"] and "fallbacks: none" in r["explain"]
 
 
 def _plan(**rules):
@@ -82,3 +85,9 @@ def test_fused_table_leaves_the_dense_plan_and_keeps_its_name():
     assert sorted(state) == ["bag.weight", "head.bias", "head.weight"]
     local = state["bag.weight"].to_local()  # this rank's row block (rank 0 of 4: rows 0..2), the module's values
     torch.testing.assert_close(local, weight[:3])
+
+
+def test_auto_plan_explains_itself(results):
+    r = results["auto:rowwise_adagrad"]
+    assert set(r["chosen"]) == {"emb_rw", "emb_tw", "emb_cw", "emb_dp"}  # every table placed
+    assert r["explain"].startswith("plan notes:\n  auto_plan: memory_budget 8.0 KiB per rank"), r["explain"][:500]

@@ -1,8 +1,9 @@
 """``ShardEmbedding`` plan specs on plain ``nn.EmbeddingBag`` modules:
 ``torchrun --nproc-per-node N tests/workers/embedding_plan.py CASE [CASE ...]``.
 
-CASE is ``mesh:optimizer``: ``dp`` (a 1-D mesh; the dense layers FullyShard) or ``dp_tp`` (a
-2 x 2 mesh; the MLP tensor-parallel on "tp", FullyShard on "dp"), ``optimizer`` sgd |
+CASE is ``mesh:optimizer``: ``dp`` (a 1-D mesh; the dense layers FullyShard), ``dp_tp`` (a
+2 x 2 mesh; the MLP tensor-parallel on "tp", FullyShard on "dp") or ``auto`` (a 1-D mesh, the
+plan from ``graphshard.auto_plan`` in a small memory budget), ``optimizer`` sgd |
 rowwise_adagrad. Four bags: row-wise (1-D ids with offsets), table-wise on rank 1 (mean), column-wise,
 data-parallel (2-D ids), over the "dp" axis. The model trains 4 steps with
 ``graphshard.compile`` and in one process on the global batch (dense parameters and the
@@ -77,7 +78,9 @@ def loss_of(out, y):
     return nn.functional.binary_cross_entropy_with_logits(out, y)
 
 
-def reference(base, optimizer: str, world: int) -> tuple[dict, list]:
+def reference(base, optimizer: str, world: int, sharded: dict | None = None) -> tuple[dict, list]:
+    """``sharded``: module -> sharding type (default ``SHARDED``; column-wise over every rank)."""
+    sharded = SHARDED if sharded is None else sharded
     ref = copy.deepcopy(base)
     state, losses = {}, []
     for step in range(STEPS):
@@ -88,8 +91,8 @@ def reference(base, optimizer: str, world: int) -> tuple[dict, list]:
         with torch.no_grad():
             for name, p in ref.named_parameters():
                 mod = name.split(".")[0]
-                if SHARDED.get(mod, "data_parallel") != "data_parallel" and optimizer == "rowwise_adagrad":
-                    blocks = [(0, 8)] if SHARDED[mod] != "column_wise" else [(c * 8 // world, 8 // world) for c in range(world)]
+                if sharded.get(mod, "data_parallel") != "data_parallel" and optimizer == "rowwise_adagrad":
+                    blocks = [(0, 8)] if sharded[mod] != "column_wise" else [(c * 8 // world, 8 // world) for c in range(world)]
                     for c0, nc in blocks:
                         g, w = p.grad[:, c0:c0 + nc], p[:, c0:c0 + nc]
                         st = state.setdefault((name, c0), torch.zeros(p.shape[0]))
@@ -122,6 +125,11 @@ def run(case: str) -> dict:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         plan = Plan(mesh, {"": FullyShard(), **embeddings})
         dp_world, dp_rank = world, rank
+    elif mesh_kind == "auto":  # graphshard.auto_plan chooses the dense units' and the tables' layouts
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        plan = graphshard.auto_plan(model, mesh, memory_budget=8192, batch=batch(0, rank)[0], optimizer_states=0,
+                                    table_optimizer=optimizer, learning_rate=LR)
+        dp_world, dp_rank = world, rank
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         plan = Plan(mesh, {"": FullyShard(), "up": ColwiseParallel(), "down": RowwiseParallel(), **embeddings})
@@ -139,8 +147,10 @@ def run(case: str) -> dict:
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     state = {k: _full(v, world // dp_world) for k, v in model.state_dict().items()}
-    ref_state, ref_losses = reference(base, optimizer, dp_world)
-    return {"case": case, "keys": sorted(state), "ref_keys": sorted(ref_state),
+    chosen = {k: v.sharding_type for k, v in plan.rules.items() if isinstance(v, ShardEmbedding)}
+    ref_state, ref_losses = reference(base, optimizer, dp_world, chosen)
+    return {"case": case, "keys": sorted(state), "ref_keys": sorted(ref_state), "chosen": chosen,
+            "notes": list(plan.notes),
             "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "params": {k: float((state[k] - ref_state[k]).abs().max()) for k in ref_state if k in state},
             "explain": graphshard.explain(model) if rank == 0 else ""}

@@ -1,0 +1,119 @@
+"""graphshard.auto_plan: dense and sparse placements from one cost model.
+
+On the fake process group (world size 4, rank 0): the plans it picks for the benchmark
+transformer (tensor-parallel pairs found from one forward, units by memory) and for a model
+with ``nn.EmbeddingBag`` tables, and its errors. Training under an auto plan on 2 gloo ranks
+against the single process is in tests/test_embedding_plan.py (case ``auto``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import graphshard
+from graphshard import FullyShard, Replicate, ShardEmbedding
+from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+from graphshard.testing.models import Transformer, TransformerConfig
+
+MiB = 2**20
+CFG = TransformerConfig(vocab_size=256, dim=64, n_layers=3, n_heads=4, max_seq_len=16)
+
+
+def _tokens(batch=2, seq=16):
+    return torch.randint(0, CFG.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _kinds(plan) -> dict:
+    return {k: type(v).__name__ for k, v in plan.rules.items()}
+
+
+def test_transformer_tensor_parallel_pairs_found_from_the_forward():
+    # the hand TP plan of benchmarks/_tp_worker.py (tp_plan), found without names
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = graphshard.auto_plan(Transformer(CFG), mesh, memory_budget=1024 * MiB, batch=_tokens())
+    kinds = _kinds(plan)
+    for name in ("wq", "wk", "wv"):
+        assert kinds[f"layers.*.attn.{name}"] == "ColwiseParallel"
+    assert kinds["layers.*.attn.wo"] == "RowwiseParallel"
+    assert kinds["layers.*.ffn.w1"] == "ColwiseParallel" and kinds["layers.*.ffn.w2"] == "RowwiseParallel"
+    assert "output" not in kinds  # the head has no row-wise partner: replicated on the tp axis
+    # a big budget: every unit replicated (DDP moves fewer bytes than FSDP)
+    assert kinds["layers.*"] == "Replicate" and kinds[""] == "Replicate"
+    assert any("tensor parallel over tp=2: 6 column-wise -> row-wise" in n for n in plan.notes), plan.notes
+
+
+def test_memory_budget_shards_the_largest_units_first():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = Transformer(CFG)
+    layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    root = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers."))
+    replicated = (3 * layer + root) * 4  # parameter, gradient, two Adam states
+    plan = graphshard.auto_plan(model, mesh, memory_budget=replicated + MiB, batch=_tokens())
+    assert set(_kinds(plan).values()) == {"Replicate"}
+    # a little less: the largest unit (a layer; the root holds the embeddings and the tied head)
+    # is sharded, the rest stays replicated
+    plan = graphshard.auto_plan(model, mesh, memory_budget=replicated - 1, batch=_tokens())
+    assert layer > root
+    assert _kinds(plan) == {"layers.0": "FullyShard", "layers.1": "Replicate", "layers.2": "Replicate", "": "Replicate"}
+    assert any("unit layers.0: FullyShard over dp=4 (to fit the budget)" in n for n in plan.notes), plan.notes
+    # every unit sharded: a quarter of everything, and two gathered layers (computing, prefetched)
+    all_sharded = replicated // 4 + 2 * layer
+    plan = graphshard.auto_plan(model, mesh, memory_budget=all_sharded + 1024, batch=_tokens())
+    assert _kinds(plan) == {"layers.*": "FullyShard", "": "FullyShard"}
+    with pytest.raises(ValueError, match=r"does not fit in memory_budget=.* raise memory_budget, add ranks"):
+        graphshard.auto_plan(model, mesh, memory_budget=all_sharded - 1024, batch=_tokens())
+
+
+class Tables(nn.Module):
+    """An MLP on pooled bags of three tables of different sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(4000, 16, mode="sum")
+        self.small = nn.EmbeddingBag(50, 16, mode="sum")
+        self.mid = nn.EmbeddingBag(800, 16, mode="mean")
+        self.mlp = nn.Sequential(nn.Linear(48, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, ids, offsets):
+        return self.mlp(torch.cat([self.big(ids, offsets), self.small(ids % 50, offsets), self.mid(ids % 800, offsets)], 1))
+
+
+def _bags(batch=8, per_bag=5):
+    ids = torch.randint(0, 4000, (batch * per_bag,), generator=torch.Generator().manual_seed(0))
+    return ids, torch.arange(0, batch * per_bag, per_bag)
+
+
+def test_tables_placed_in_the_memory_the_dense_part_leaves():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    plan = graphshard.auto_plan(Tables(), mesh, memory_budget=64 * MiB, batch=_bags())
+    specs = {k: v for k, v in plan.rules.items() if isinstance(v, ShardEmbedding)}
+    assert set(specs) == {"big", "small", "mid"}
+    assert all(s.mesh_axis == "dp" and s.optimizer == "rowwise_adagrad" for s in specs.values())
+    assert any("table big:" in n and "5.0 ids a bag" in n for n in plan.notes), plan.notes
+    # the big table (250 KiB with its state) does not fit whole on a rank of 200 KiB: split
+    plan = graphshard.auto_plan(Tables(), mesh, memory_budget=200 * 1024, batch=_bags(), optimizer_states=0)
+    assert plan.rules["big"].sharding_type in ("row_wise", "column_wise"), plan.notes
+
+
+def test_refuses_unnamed_meshes_and_torchrec_modules():
+    with pytest.raises(ValueError, match="named axes"):
+        graphshard.auto_plan(Tables(), init_device_mesh("cpu", (4,)), memory_budget=MiB, batch=_bags())
+    pytest.importorskip("torchrec")
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    model = nn.Module()
+    model.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10,
+                                                                  feature_names=["f"])], device=torch.device("meta"))
+    with pytest.raises(NotImplementedError, match=r"\['ebc'\] are TorchRec embedding modules.*EmbeddingShardingPlanner"):
+        graphshard.auto_plan(model, init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), memory_budget=MiB,
+                             batch=_bags())
+
+
+def test_specs_are_graphshard_types():
+    plan = graphshard.auto_plan(Transformer(CFG), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+                                memory_budget=1024 * MiB, batch=_tokens())
+    assert all(isinstance(v, (FullyShard, Replicate, ColwiseParallel, RowwiseParallel)) for v in plan.rules.values())
