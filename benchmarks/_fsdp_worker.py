@@ -20,6 +20,7 @@ Variants (see `VARIANTS`):
                             map to (``forward_prefetch=False``): the exact program ``gs_fsdp1`` / ``gs_fsdp1_flat`` compile.
 * ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
 * ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
+* ``graphshard_auto``       ``graphshard.compile`` with ``graphshard.auto_plan``'s plan (``--auto-budget-mib``).
 * ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
 
 A variant that cannot be built here (graphshard without ``compile``) raises
@@ -151,6 +152,21 @@ def build_graphshard_comm(model, mesh, lr) -> StepFn:
     return step
 
 
+AUTO: dict = {}
+"""``graphshard_auto``: the example batch and the memory budget ``run`` gives ``auto_plan``."""
+
+
+def build_graphshard_auto(model, mesh, lr) -> StepFn:
+    """``graphshard.compile`` with the plan ``graphshard.auto_plan`` picks in ``--auto-budget-mib``
+    (default: no limit; AdamW's two states counted)."""
+    import graphshard
+
+    plan = graphshard.auto_plan(model, mesh, memory_budget=AUTO["budget"], batch=AUTO["batch"], optimizer_states=2)
+    AUTO["plan"] = {k: type(v).__name__ for k, v in plan.rules.items()}
+    graphshard.compile(model, plan)
+    return _make_step(model, model.parameters(), lr)
+
+
 def build_local_compile(model, mesh, lr) -> StepFn:
     """No sharding and no communication: each rank trains its own copy, torch.compile'd, on its
     own rows. Run with N ranks, it is the compute floor of a machine shared by N ranks."""
@@ -173,6 +189,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "graphshard_eq": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS),
     "graphshard_eq_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS, flat_params=True),
     "graphshard_comm": build_graphshard_comm,
+    "graphshard_auto": build_graphshard_auto,
     "local_compile": build_local_compile,
 }
 
@@ -192,6 +209,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-world", type=int, default=None,
                    help="world size the global batch is cut for (default: this run's); a world-1 floor "
                         "run passes the nominal world so rank 0 sees the same sequences")
+    p.add_argument("--auto-budget-mib", type=float, default=None,
+                   help="graphshard_auto: memory budget per rank for auto_plan (default: no limit)")
     p.add_argument("--out", required=True, help="JSON result path (written by rank 0)")
     return p.parse_args(argv)
 
@@ -210,6 +229,7 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
                             max_seq_len=args.seq)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(ctx.device)
+    AUTO.update(batch=batch(0)[0], budget=int(args.auto_budget_mib * 2**20) if args.auto_budget_mib else 2**62)
     step_fn = VARIANTS[args.variant](model, mesh, args.lr)
     C.barrier(ctx)
     setup_s = time.perf_counter() - t0
@@ -251,7 +271,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = C.init_dist()
     base = {
-        "variant": args.variant, "layers": args.layers, "batch_per_rank": args.batch, "seq": args.seq,
+        "variant": args.variant, "auto_plan": AUTO.get("plan"), "layers": args.layers, "batch_per_rank": args.batch, "seq": args.seq,
         "warmup": args.warmup, "steps": args.steps, "device": str(ctx.device), "backend": ctx.backend,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }
