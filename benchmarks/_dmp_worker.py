@@ -4,7 +4,7 @@ DLRM (``torchrec.models.dlrm.DLRM``): 8 tables of ``--rows`` rows, dim 64, one f
 ``--batch`` samples per rank with ``--pooling`` ids per bag on average; every table under the
 one sharding type S (tw: table-wise round-robin, rw: row-wise, cw: column-wise over all
 ranks, dp: data-parallel; planned / trplanned: the plan graphshard's / TorchRec's planner chooses,
-told the pooling factor and batch), fused row-wise Adagrad for sharded tables, SGD for the dense part.
+told the pooling factor and batch; auto: graphshard.auto_plan's, from an example batch), fused row-wise Adagrad for sharded tables, SGD for the dense part.
 V is ``torchrec`` (TorchRec's DistributedModelParallel) or ``graphshard``
 (graphshard.model_parallel's): the same model, plan, data and optimizers. Rank 0 writes the
 median step time, the bytes this rank's collectives move per step, and peak live memory.
@@ -27,7 +27,7 @@ TABLES, DIM, DENSE_IN = 8, 64, 13
 def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--variant", required=True, choices=["torchrec", "graphshard"])
-    p.add_argument("--sharding", required=True, choices=["tw", "rw", "cw", "dp", "planned", "trplanned"])
+    p.add_argument("--sharding", required=True, choices=["tw", "rw", "cw", "dp", "planned", "trplanned", "auto"])
     p.add_argument("--rows", type=int, default=100_000)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--pooling", type=int, default=10)
@@ -54,6 +54,8 @@ def build(args, world):
                  over_arch_layer_sizes=[128, 1])
     if args.sharding in ("planned", "trplanned"):
         return model, _planned(args, model, world)
+    if args.sharding == "auto":
+        return model, _auto(args, model, world)
     f = "fused"
     kind = {"tw": lambda i: table_wise(rank=i % world, compute_kernel=f), "rw": lambda i: row_wise(compute_kernel=f),
             "cw": lambda i: column_wise(ranks=list(range(world)), compute_kernel=f),
@@ -81,6 +83,19 @@ def _planned(args, model, world):
     planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
                                        batch_size=args.batch, constraints=constraints)
     return planner.collective_plan(model, [EmbeddingBagCollectionSharder(fused_params=FUSED)], dist.group.WORLD)
+
+
+def _auto(args, model, world):
+    """``graphshard.auto_plan`` in 1 GiB per rank, from this rank's first batch (the first rank's
+    plan is everyone's): graphshard's DMP takes the Plan, TorchRec's its ``torchrec_plan``."""
+    import graphshard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import torch.distributed as dist
+
+    x, kjt, _ = batches(args, dist.get_rank(), 1)[0]
+    return graphshard.auto_plan(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+                                memory_budget=2**30, batch=(x, kjt), optimizer_states=0)
 
 
 def describe(plan) -> str:
@@ -121,6 +136,8 @@ def run(args, ctx):
     global FUSED
     fused = FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
     model, plan = build(args, ctx.world)
+    if args.variant == "torchrec" and hasattr(plan, "torchrec_plan"):  # auto: TorchRec runs the tables' plan
+        plan = plan.torchrec_plan
     t0 = time.perf_counter()
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
                                    device=torch.device("cpu"), plan=plan,
@@ -148,7 +165,7 @@ def run(args, ctx):
             "cpu_s": cpu_s, "bytes_per_step": sum(r["bytes"] for r in per_rank) / len(per_rank),
             "collectives_per_step": comm["calls"], "peak_live_mib": max(r["peak"] for r in per_rank) / 2**20,
             "resident_mib": resident / 2**20, "memory_method": method, "loss_last": losses[-1],
-            "by_kind": comm["by_kind"], "plan": describe(plan)}
+            "by_kind": comm["by_kind"], "plan": describe(getattr(plan, "torchrec_plan", None) or plan)}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import _common as C  # noqa: E402
 import _launch  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dmp_worker.py")
-SHARDINGS = ("tw", "rw", "cw", "dp", "planned", "trplanned")
+SHARDINGS = ("tw", "rw", "cw", "dp", "planned", "trplanned", "auto")
 VARIANTS = ("torchrec", "graphshard")
 TARGETS = {"step_s": 0.80, "bytes_per_step": 1.00, "peak_live_mib": None}
 
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     rows = []
     for sharding in args.shardings:
         plan = next((r.get("plan") for r in records if r["sharding"] == sharding and r.get("status") == "ok"), None)
-        row = [f"{sharding} ({plan})" if sharding.endswith("planned") and plan else sharding]
+        row = [f"{sharding} ({plan})" if sharding in ("planned", "trplanned", "auto") and plan else sharding]
         for variant in VARIANTS:
             row += [C.fmt(C.median(per_rep(variant, sharding, "step_s")), 4),
                     C.fmt((C.median(per_rep(variant, sharding, "bytes_per_step")) or 0) / 2**20, 2),

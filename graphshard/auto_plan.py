@@ -23,8 +23,12 @@ Given a model, a mesh, a memory budget per rank and one step's example input, it
 Memory per rank counts parameters, gradients and ``optimizer_states`` fp32 values per
 parameter (Adam: 2) for the dense part, and the tables' weights and fused optimizer state;
 activations are not counted. The reasons are the plan's ``notes``, printed by ``explain``.
-TorchRec modules are planned by ``model_parallel.EmbeddingShardingPlanner`` for
-``DistributedModelParallel``, not here.
+
+A TorchRec model (``EmbeddingBagCollection`` / ``EmbeddingCollection``, fed a
+``KeyedJaggedTensor``) gets the same: its tables' ids per sample are read from the example
+KJT, they are placed in the same budget, and the plan carries their TorchRec ``ShardingPlan``
+(``plan.torchrec_plan``); ``DistributedModelParallel(model, plan=<the Plan>)`` runs it, the dense
+part laid out by the plan's rules.
 """
 
 from __future__ import annotations
@@ -56,6 +60,19 @@ class _Call:
 
 
 @dataclass
+class _Table:
+    """One table to place: an ``nn.EmbeddingBag`` (``module`` is it) or a table of a TorchRec
+    collection (``module`` is the collection, ``name`` its table)."""
+
+    fqn: str
+    name: str
+    module: nn.Module
+    weight: torch.Tensor
+    stats: object  # _cost.TableStats
+    torchrec: bool
+
+
+@dataclass
 class _Decision:
     rules: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
@@ -69,7 +86,38 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, memory_budget: int, batch, 
     forward's arguments); the model runs forward once on it, without gradients.
     ``optimizer_states``: fp32 values the dense optimizer keeps per parameter (Adam 2, SGD 0).
     ``table_optimizer`` / ``learning_rate``: the fused optimizer of sharded tables.
+
+    The mesh's first rank plans (with its ``batch``) and the plan is broadcast, so every rank
+    gets the same plan; an error there is raised on every rank.
     """
+    payload = None
+    if mesh.mesh.flatten()[0].item() == mesh.get_rank():
+        try:
+            payload = ("plan", _plan_here(model, mesh, memory_budget, batch, optimizer_states, table_optimizer,
+                                          learning_rate))
+        except (ValueError, NotImplementedError) as e:
+            payload = ("error", e)
+    kind, value = _broadcast(mesh, payload)
+    if kind == "error":
+        raise value
+    rules, notes, torchrec_plan = value
+    return Plan(mesh, rules, notes=notes, torchrec_plan=torchrec_plan)
+
+
+def _broadcast(mesh: DeviceMesh, payload):
+    """The mesh's first rank's ``payload`` on every rank of the mesh: along each axis in turn, from
+    the axis group's first rank (after the first axis, every rank of the second holds it)."""
+    import torch.distributed as dist
+
+    for axis in range(mesh.ndim):
+        group = mesh.get_group(axis)
+        box = [payload]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        payload = box[0]
+    return payload
+
+
+def _plan_here(model, mesh, memory_budget, batch, optimizer_states, table_optimizer, learning_rate):
     if mesh.mesh_dim_names is None:
         raise ValueError("auto_plan needs a mesh with named axes (init_device_mesh(..., mesh_dim_names=('dp',)) "
                          "or ('dp', 'tp'))")
@@ -79,48 +127,61 @@ def auto_plan(model: nn.Module, mesh: DeviceMesh, *, memory_budget: int, batch, 
         raise ValueError(f"auto_plan plans one data-parallel axis and an optional 'tp' axis; the mesh has {axes}")
     dp_axis = dp_axes[0]
     dp, tp = mesh.size(axes.index(dp_axis)), (mesh.size(axes.index(TP_AXIS)) if TP_AXIS in axes else 1)
-    _refuse_torchrec(model)
-    calls = _probe(model, batch)
+    collections = _torchrec_collections(model)
+    if collections and tp > 1:
+        raise NotImplementedError("auto_plan: a model with TorchRec embedding modules runs under DistributedModelParallel, "
+                                  "whose dense part is data-parallel: plan it on a 1-D ('dp',) mesh")
+    calls, kjts = _probe(model, batch, collections)
     out = _Decision()
     tp_sharded = _tensor_parallel(model, calls, tp, out) if tp > 1 else set()
-    units = _units(model)
-    tables = [c for c in calls if isinstance(c.module, nn.EmbeddingBag)]
-    _data_parallel(model, units, tables, tp_sharded, dp, tp, memory_budget, optimizer_states, table_optimizer,
-                   learning_rate, dp_axis, out)
-    return Plan(mesh, out.rules, notes=tuple(out.notes))
+    units = [u for u in _units(model) if not any(u == f or u.startswith(f + ".") for f in collections)]
+    tables = ([_bag_table(c, table_optimizer) for c in calls if isinstance(c.module, nn.EmbeddingBag)]
+              + _torchrec_tables(collections, kjts, table_optimizer))
+    placed, hw = _data_parallel(model, units, tables, tp_sharded, dp, tp, memory_budget, optimizer_states,
+                                table_optimizer, learning_rate, dp_axis, out)
+    return out.rules, tuple(out.notes), _torchrec_plan(tables, placed, hw)
 
 
 # ---------------------------------------------------------------------------------------------
 # One forward: which linear reads which tensor, in which order; ids per bag
 # ---------------------------------------------------------------------------------------------
-def _probe(model: nn.Module, batch) -> list[_Call]:
+def _probe(model: nn.Module, batch, collections: dict) -> tuple[list[_Call], dict]:
+    """The linears' and bags' first calls in order, and each TorchRec collection's input KJT."""
+    kjts: dict[int, object] = {}
     names = {}
     for fqn, mod in model.named_modules(remove_duplicate=False):
         names.setdefault(id(mod), fqn)
     calls: list[_Call] = []
     seen: set[int] = set()
 
-    def hook(mod, args):
+    def hook(mod, args, kwargs):
         if id(mod) in seen:  # a module called twice (shared) is planned once, at its first call
             return
         seen.add(id(mod))
         fqn = names[id(mod)]
-        call = _Call(fqn, mod, fqn.rpartition(".")[0], id(args[0]) if args else 0)
+        first = args[0] if args else kwargs.get("input")
+        call = _Call(fqn, mod, fqn.rpartition(".")[0], id(first))
         if isinstance(mod, nn.EmbeddingBag):
-            ids = args[0]
-            offsets = args[1] if len(args) > 1 else None
+            ids = first
+            offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
             call.ids = ids.numel()
             call.bags = ids.shape[0] if ids.dim() == 2 else (offsets.numel() if offsets is not None else 1)
         calls.append(call)
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, (nn.Linear, nn.EmbeddingBag))]
+    def kjt_hook(mod, args):
+        kjts.setdefault(id(mod), args[0] if args else None)
+
+    inside = {id(m) for c, _ in collections.values() for m in c.modules()}  # TorchRec's own bags: its tables
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if isinstance(m, (nn.Linear, nn.EmbeddingBag)) and id(m) not in inside]
+    handles += [m.register_forward_pre_hook(kjt_hook) for m, _ in collections.values()]
     try:
         with torch.no_grad():
             model(*(batch if isinstance(batch, tuple) else (batch,)))
     finally:
         for h in handles:
             h.remove()
-    return calls
+    return calls, kjts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,8 +269,10 @@ def _param_bytes(model, prefix: str, tp_sharded: set[str], tp: int, skip: set[in
 
 
 def _data_parallel(model, units, tables, tp_sharded, dp, tp, budget, states, table_optimizer, lr, dp_axis,
-                   out: _Decision) -> None:
-    table_params = {id(c.module.weight) for c in tables}
+                   out: _Decision):
+    """Replicate or FullyShard per unit, and the tables' options, in ``budget``: (option, cost) per
+    table, and the hardware view they were placed on."""
+    table_params = {id(t.weight) for t in tables}
     unit_params = {id(p) for u in units for p in model.get_submodule(u).parameters()}
     sizes = {u: _param_bytes(model, u, tp_sharded, tp, table_params) for u in units}
     sizes[""] = _param_bytes(model, "", tp_sharded, tp, table_params | unit_params)
@@ -222,14 +285,14 @@ def _data_parallel(model, units, tables, tp_sharded, dp, tp, budget, states, tab
             mem += 2 * max(sizes[u] for u in sharded)
         return mem
 
-    stats = [_table_stats(c, table_optimizer) for c in tables]
+    stats = [t.stats for t in tables]
     order = sorted(sizes, key=lambda u: (-sizes[u], u))
     while True:
         left = budget - dense_memory()
         try:
             if left < 0:
                 raise ValueError(f"the dense part alone is {_size(-left)} over")
-            placed = _place_tables(stats, dp, left)
+            placed, hw = _place_tables(stats, dp, left)
             break
         except ValueError as e:  # over budget, or the planner's Infeasible: a table fits nowhere
             candidates = [u for u in order if u not in sharded and sizes[u]]
@@ -254,18 +317,20 @@ def _data_parallel(model, units, tables, tp_sharded, dp, tp, budget, states, tab
                          f"parameters, {_size(sizes[u] * per_param / (dp if u in sharded else 1))} a rank; "
                          f"{_size((3 if u in sharded else 2) * gb)} moved a step "
                          f"(the other choice: {_size((2 if u in sharded else 3) * gb)})")
-    for c, (option, cost) in zip(tables, placed or []):
-        spec = ShardEmbedding(option.sharding_type,
-                              ranks=option.ranks if option.sharding_type in ("table_wise", "column_wise") else None,
-                              mesh_axis=dp_axis, optimizer=table_optimizer, learning_rate=lr)
-        out.rules[c.fqn] = spec
+    for t, (option, cost) in zip(tables, placed):
+        if not t.torchrec:
+            out.rules[t.fqn] = ShardEmbedding(
+                option.sharding_type, ranks=option.ranks if option.sharding_type in ("table_wise", "column_wise") else None,
+                mesh_axis=dp_axis, optimizer=table_optimizer, learning_rate=lr)
         busiest = max(cost.ranks(), key=cost.time)
-        out.notes.append(f"table {c.fqn}: {option.describe()} ({c.ids / max(c.bags, 1):.1f} ids a bag; est "
+        out.notes.append(f"table {t.fqn}{'.' + t.name if t.torchrec else ''}: {option.describe()} "
+                         f"({t.stats.ids_per_sample / t.stats.features:.1f} ids a bag; est "
                          f"{cost.time(busiest) * 1e3:.3f} ms on rank {busiest}, "
                          f"{_size(max(cost.memory.values()))} a rank at most)")
     out.notes.insert(0, f"auto_plan: memory_budget {_size(budget)} per rank; dense part "
                         f"{_size(dense_memory())} a rank (parameters, gradients, {states} optimizer states), "
-                        f"tables {_size(max(sum(cost.memory.get(r, 0) for _, cost in placed or []) for r in range(dp)))}")
+                        f"tables {_size(max(sum(cost.memory.get(r, 0) for _, cost in placed) for r in range(dp)))}")
+    return placed, hw
 
 
 def _size(n: float) -> str:
@@ -276,13 +341,75 @@ def _size(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _table_stats(call: _Call, optimizer: str):
+def _state_per_row(optimizer: str, dim: int) -> int:
+    return {"sgd": 0, "rowwise_adagrad": 1}.get(optimizer, dim)
+
+
+def _bag_table(call: _Call, optimizer: str) -> _Table:
     from graphshard.model_parallel._cost import TableStats
 
-    rows, dim = call.module.weight.shape
-    return TableStats(name=call.fqn, rows=rows, dim=dim, features=1, ids_per_sample=call.ids / max(call.bags, 1),
-                      batch=call.bags, weighted=False, elem_bytes=call.module.weight.element_size(),
-                      state_per_row={"sgd": 0, "rowwise_adagrad": 1}.get(optimizer, dim), sequence=False)
+    w = call.module.weight
+    rows, dim = w.shape
+    stats = TableStats(name=call.fqn, rows=rows, dim=dim, features=1, ids_per_sample=call.ids / max(call.bags, 1),
+                       batch=call.bags, weighted=False, elem_bytes=w.element_size(),
+                       state_per_row=_state_per_row(optimizer, dim), sequence=False)
+    return _Table(call.fqn, call.fqn, call.module, w, stats, torchrec=False)
+
+
+def _torchrec_collections(model: nn.Module) -> dict:
+    """TorchRec ``EmbeddingBagCollection`` s / ``EmbeddingCollection`` s by identity: (module, first FQN)."""
+    try:
+        from graphshard.model_parallel._plan import find_modules
+    except ImportError:
+        return {}
+    try:
+        found = find_modules(model)
+    except ImportError:  # TorchRec is not installed: no such modules
+        return {}
+    return {fqns[0]: (mod, fqns[0]) for mod, fqns in found.values()}
+
+
+def _torchrec_tables(collections: dict, kjts: dict, optimizer: str) -> list[_Table]:
+    """Each table of each TorchRec collection, its ids per sample read from the KJT it got."""
+    from graphshard.model_parallel._cost import TableStats
+    from graphshard.sparse.torchrec import is_sequence, table_configs
+
+    tables = []
+    for fqn, (mod, _) in collections.items():
+        kjt = kjts.get(id(mod))
+        if kjt is None:
+            raise ValueError(f"auto_plan: {fqn} was not called by the example batch; give a batch that reaches it")
+        per_key = dict(zip(kjt.keys(), kjt.length_per_key()))
+        batch = kjt.stride()
+        weights = dict(mod.named_parameters())
+        for cfg in table_configs(mod):
+            missing = [f for f in cfg.feature_names if f not in per_key]
+            if missing:
+                raise ValueError(f"auto_plan: the example KJT for {fqn} lacks features {missing} of table {cfg.name!r}")
+            ids = sum(per_key[f] for f in cfg.feature_names) / max(batch, 1)
+            weight = next(w for n, w in weights.items() if n.split(".")[-2:] == [cfg.name, "weight"])
+            stats = TableStats(name=f"{fqn}.{cfg.name}", rows=cfg.num_embeddings, dim=cfg.embedding_dim,
+                               features=len(cfg.feature_names), ids_per_sample=ids, batch=batch,
+                               weighted=bool(getattr(mod, "is_weighted", lambda: False)()),
+                               elem_bytes=weight.element_size(), state_per_row=_state_per_row(optimizer, cfg.embedding_dim),
+                               sequence=is_sequence(mod))
+            tables.append(_Table(fqn, cfg.name, mod, weight, stats, torchrec=True))
+    return tables
+
+
+def _torchrec_plan(tables: list[_Table], placed: list, hw):
+    """TorchRec's ``ShardingPlan`` for the TorchRec collections' tables (None if there are none)."""
+    chosen: dict[str, tuple[nn.Module, dict]] = {}
+    for t, (option, _) in zip(tables, placed):
+        if t.torchrec:
+            chosen.setdefault(t.fqn, (t.module, {}))[1][t.name] = option
+    if not chosen:
+        return None
+    from torchrec.distributed.types import ShardingPlan
+
+    from graphshard.model_parallel._planner import _module_plan
+
+    return ShardingPlan({fqn: _module_plan(mod, options, hw, "cpu") for fqn, (mod, options) in chosen.items()})
 
 
 def _place_tables(stats, dp: int, capacity: int) -> list:
@@ -296,19 +423,4 @@ def _place_tables(stats, dp: int, capacity: int) -> list:
     kinds = [TW, RW, CW, DP] if dp > 1 else [TW]
     tables = [(t.name, None, SimpleNamespace(name=t.name), t, kinds) for t in stats]
     a = _planner._place(tables, hw, lambda _: 1)  # ShardEmbedding splits columns into any equal blocks
-    return [(a.options[i], a.costs[i]) for i in range(len(stats))]
-
-
-def _refuse_torchrec(model: nn.Module) -> None:
-    try:
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-    except ImportError:
-        return
-    found = [f for f, m in model.named_modules() if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))]
-    if found:
-        raise NotImplementedError(
-            f"auto_plan: {found} are TorchRec embedding modules; plan them with "
-            "graphshard.model_parallel.EmbeddingShardingPlanner and DistributedModelParallel (auto_plan plans "
-            "nn.EmbeddingBag tables and the dense part)"
-        )
-
+    return [(a.options[i], a.costs[i]) for i in range(len(stats))], hw

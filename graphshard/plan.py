@@ -186,10 +186,14 @@ class Plan:
     several FQNs is ignored when any of them matches.
 
     ``notes``: lines ``explain`` prints before the compiled graphs (``auto_plan``'s reasons).
+    ``torchrec_plan``: the TorchRec ``ShardingPlan`` of the model's TorchRec embedding modules
+    (``auto_plan`` on a TorchRec model); ``model_parallel.DistributedModelParallel(plan=<this
+    Plan>)`` shards those modules by it and lays the dense part out by the rules.
     """
 
     def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False,
-                 collectives: str = "auto", ignored_params: Iterable[str] = (), notes: Iterable[str] = ()):
+                 collectives: str = "auto", ignored_params: Iterable[str] = (), notes: Iterable[str] = (),
+                 torchrec_plan=None):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
@@ -219,6 +223,7 @@ class Plan:
                              "e.g. ('head.**', 'emb.weight')")
         self.ignored_params = tuple(ignored_params)
         self.notes = tuple(notes)
+        self.torchrec_plan = torchrec_plan
         # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
         self.tp_axis = TP_AXIS if TP_AXIS in axes or len(axes) != 1 else axes[0]
         mp_axes = {s.mesh_axis for s in self.rules.values() if isinstance(s, ShardParams)}

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import graphshard
 from graphshard import FullyShard, Replicate, ShardEmbedding
 from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+import graphshard.model_parallel  # noqa: F401  (FullyShardDense)
 from graphshard.testing.models import Transformer, TransformerConfig
 
 MiB = 2**20
@@ -98,22 +99,66 @@ def test_tables_placed_in_the_memory_the_dense_part_leaves():
     assert plan.rules["big"].sharding_type in ("row_wise", "column_wise"), plan.notes
 
 
-def test_refuses_unnamed_meshes_and_torchrec_modules():
+def test_refuses_unnamed_meshes():
     with pytest.raises(ValueError, match="named axes"):
         graphshard.auto_plan(Tables(), init_device_mesh("cpu", (4,)), memory_budget=MiB, batch=_bags())
-    pytest.importorskip("torchrec")
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    model = nn.Module()
-    model.ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=10,
-                                                                  feature_names=["f"])], device=torch.device("meta"))
-    with pytest.raises(NotImplementedError, match=r"\['ebc'\] are TorchRec embedding modules.*EmbeddingShardingPlanner"):
-        graphshard.auto_plan(model, init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), memory_budget=MiB,
-                             batch=_bags())
 
 
 def test_specs_are_graphshard_types():
     plan = graphshard.auto_plan(Transformer(CFG), init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
                                 memory_budget=1024 * MiB, batch=_tokens())
     assert all(isinstance(v, (FullyShard, Replicate, ColwiseParallel, RowwiseParallel)) for v in plan.rules.values())
+
+
+def _dlrm_and_batch(rows=2000):
+    pytest.importorskip("torchrec")
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=rows * (i + 1), feature_names=[f"f{i}"])
+              for i in range(3)]
+    model = DLRM(embedding_bag_collection=EmbeddingBagCollection(tables=tables), dense_in_features=4,
+                 dense_arch_layer_sizes=[8, 16], over_arch_layer_sizes=[8, 1])
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([4] * 8 + [1] * 8 + [2] * 8)  # 4, 1 and 2 ids a bag, batch 8
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+                            lengths=lengths)
+    return model, (torch.randn(8, 4, generator=g), kjt)
+
+
+def test_torchrec_model_tables_from_the_example_kjt():
+    model, batch = _dlrm_and_batch()
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    plan = graphshard.auto_plan(model, mesh, memory_budget=64 * MiB, batch=batch)
+    (fqn, module_plan), = plan.torchrec_plan.plan.items()
+    assert fqn == "sparse_arch.embedding_bag_collection" and set(module_plan) == {"t0", "t1", "t2"}
+    assert all(ps.compute_kernel == ("dense" if ps.sharding_type == "data_parallel" else "fused")
+               for ps in module_plan.values())
+    assert not any(k.startswith("sparse_arch") for k in plan.rules)  # the tables are not dense units
+    notes = "\n".join(plan.notes)
+    for name, per_bag in (("t0", "4.0"), ("t1", "1.0"), ("t2", "2.0")):
+        assert f"table sparse_arch.embedding_bag_collection.{name}:" in notes and f"({per_bag} ids a bag" in notes
+    with pytest.raises(NotImplementedError, match=r"plan it on a 1-D \('dp',\) mesh"):
+        graphshard.auto_plan(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")),
+                             memory_budget=64 * MiB, batch=batch)
+
+
+def test_dmp_takes_the_auto_plan():
+    import torch.distributed as dist
+    from torchrec.distributed.types import ShardingEnv
+
+    from graphshard.model_parallel import DistributedModelParallel
+
+    model, batch = _dlrm_and_batch()
+    plan = graphshard.auto_plan(model, init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), memory_budget=64 * MiB,
+                                batch=batch)
+    dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                   init_data_parallel=False)
+    assert dmp.plan is plan.torchrec_plan
+    assert dmp._dense_rules() == {**plan.rules}  # the dense part as the auto plan lays it out
+    with pytest.raises(ValueError, match="data_parallel_wrapper=None"):
+        DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
+                                 data_parallel_wrapper=graphshard.model_parallel.FullyShardDense(),
+                                 init_data_parallel=False)

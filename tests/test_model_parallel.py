@@ -20,7 +20,8 @@ from _launch import torchrun
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
          "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "seq:rowwise_adagrad", "seq:sgd:dp",
-         "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned", "dlrm:rowwise_adagrad:triton"]
+         "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned", "dlrm:rowwise_adagrad:triton",
+         "dlrm:rowwise_adagrad:auto"]
 """``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
 ``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``; ``fsdp``: graphshard's
 dense part sharded (``FullyShardDense``) in the same program as the sparse exchange; ``seq``: an
@@ -29,7 +30,9 @@ rank), ``dp``: with a data-parallel table; ``seqtwo``: two towers holding one ``
 ``planned``: ``plan=None``, graphshard's planner chooses (its collective plan), and TorchRec's DMP
 and the reference follow the plan it chose; ``triton``: graphshard's sharded tables with
 ``compute_kernel="fused_triton"`` (its Triton TBE, under Triton's interpreter on the CPU),
-TorchRec's with ``fused`` (fbgemm's)."""
+TorchRec's with ``fused`` (fbgemm's); ``auto``: the plan from ``graphshard.auto_plan`` (tables and
+dense units in one 64 KiB budget), given to graphshard's DMP as a graphshard ``Plan`` and to
+TorchRec's as its ``torchrec_plan``."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad", "seqtwo:rowwise_adagrad"}
@@ -108,3 +111,9 @@ def test_planned_plan_is_the_same_on_every_rank(results):
     assert set(r["sharding"]) == {"t_tw", "t_mean", "t_rw", "t_cw", "t_dp"}  # every table placed
     report = r["explain"]
     assert report.startswith("embedding plan (graphshard planner") and "measured" in report, report[:2000]
+
+
+def test_auto_plan_is_the_same_on_every_rank_and_explained(results):
+    r = results["dlrm:rowwise_adagrad:auto"]
+    assert r["plans_equal"] and set(r["sharding"]) == {"t_tw", "t_mean", "t_rw", "t_cw", "t_dp"}, r["sharding"]
+    assert r["explain"].startswith("plan notes:\n  auto_plan: memory_budget 64.0 KiB per rank"), r["explain"][:2000]

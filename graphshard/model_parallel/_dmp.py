@@ -64,7 +64,9 @@ class DistributedModelParallel(nn.Module):
 
     ``plan`` is a TorchRec ``ShardingPlan``; ``None`` asks graphshard's
     ``EmbeddingShardingPlanner`` for one (its collective plan: the same on every rank;
-    ``explain`` prints it with its estimates and the measured step time). ``sharders`` supply the fused optimizer's
+    ``explain`` prints it with its estimates and the measured step time); a graphshard ``Plan``
+    from ``graphshard.auto_plan`` brings the TorchRec plan and the dense part's layout together.
+    ``sharders`` supply the fused optimizer's
     ``fused_params`` (``EmbeddingBagCollectionSharder(fused_params=...)``); an
     ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
     on the CPU, the tables keep the module's weights (``init_parameters`` only materializes
@@ -83,6 +85,15 @@ class DistributedModelParallel(nn.Module):
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
         self._dense_spec = _dense_spec(data_parallel_wrapper)
+        self._auto = None  # a graphshard Plan (auto_plan's): its rules lay the dense part out
+        if isinstance(plan, Plan):
+            if data_parallel_wrapper is not None or plan.torchrec_plan is None:
+                raise ValueError(
+                    "plan is a graphshard Plan: DistributedModelParallel takes one from graphshard.auto_plan (its "
+                    "torchrec_plan shards the embedding modules, its rules lay the dense part out), with "
+                    "data_parallel_wrapper=None; otherwise pass a TorchRec ShardingPlan"
+                )
+            self._auto, plan = plan, plan.torchrec_plan
         self._env = env if env is not None else ShardingEnv.from_process_group(dist.group.WORLD)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type != "cpu":
@@ -167,7 +178,8 @@ class DistributedModelParallel(nn.Module):
 
         mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
         if state_of(module) is None:
-            shard(module, Plan(mesh, self._dense_rules(), ignored_params=self._whole_gradients()))
+            shard(module, Plan(mesh, self._dense_rules(), ignored_params=self._whole_gradients(),
+                               notes=self._auto.notes if self._auto is not None else ()))
             if self._plan_estimate is not None:
                 state_of(module).preamble.append(self._plan_estimate)
         module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
@@ -176,7 +188,7 @@ class DistributedModelParallel(nn.Module):
     def _dense_rules(self) -> dict:
         """The dense parameters replicated (DDP); each data-parallel table of a sequence collection
         its own unit, so its (large) gradient is reduced on its own, as soon as it is computed."""
-        rules = {"": self._dense_spec}
+        rules = dict(self._auto.rules) if self._auto is not None else {"": self._dense_spec}
         for coll in self._collections:
             if not coll.layout.dp_gathered:
                 for t in coll.plan.dp_tables:

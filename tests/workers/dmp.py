@@ -476,14 +476,22 @@ def run(case: str) -> dict:
     if "triton" in flags and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"  # read when graphshard's Triton kernels are first imported
     _KERNEL[0] = "fused_triton" if "triton" in flags else "fused"
-    gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"),
-                       plan=None if "planned" in flags else _plan(model, gs_model, world),
+    if "auto" in flags:  # graphshard.auto_plan: the tables and the dense part in one budget
+        import graphshard
+        from torch.distributed.device_mesh import init_device_mesh
+
+        plan = graphshard.auto_plan(gs_model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
+                                    memory_budget=64 * 2**10, batch=batch(model, 0, rank)[0], optimizer_states=0,
+                                    table_optimizer=optimizer, learning_rate=LR)
+    else:
+        plan = None if "planned" in flags else _plan(model, gs_model, world)
+    gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=plan,
                        sharders=[_sharder(model, fused)],
                        data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
     _KERNEL[0] = "fused"
     plans = [None] * world
     dist.all_gather_object(plans, repr(gs.plan))
-    if "planned" in flags:
+    if "planned" in flags or "auto" in flags:
         _PLANNED.append(gs.plan)
     gs_losses = _train(gs, model, range(STEPS), rank, world)
     gs_state = {k: _full(v) for k, v in gs.state_dict().items()}
