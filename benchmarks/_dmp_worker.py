@@ -98,6 +98,21 @@ def _auto(args, model, world):
                                 memory_budget=2**30, batch=(x, kjt), optimizer_states=0)
 
 
+def estimate_ms(args, model, plan, world) -> float:
+    """graphshard's cost model's estimate of ``plan`` (any plan: hand, either planner's, auto), the
+    busiest rank's embedding step in ms, on TorchRec's default topology and this workload."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner.types import ParameterConstraints, Topology
+
+    from graphshard.model_parallel import EmbeddingShardingPlanner
+
+    constraints = {f"t{i}": ParameterConstraints(pooling_factors=[float(args.pooling)]) for i in range(TABLES)}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       batch_size=args.batch, constraints=constraints)
+    est = planner.estimate_plan(model, plan, [EmbeddingBagCollectionSharder(fused_params=FUSED)])
+    return max(est.load) * 1e3
+
+
 def describe(plan) -> str:
     """``table_wise x4 @0, table_wise x4 @1``: the plan's tables by sharding type and ranks."""
     from collections import Counter
@@ -136,6 +151,7 @@ def run(args, ctx):
     global FUSED
     fused = FUSED = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.01, "eps": 1e-8}
     model, plan = build(args, ctx.world)
+    est_ms = estimate_ms(args, model, getattr(plan, "torchrec_plan", None) or plan, ctx.world)
     if args.variant == "torchrec" and hasattr(plan, "torchrec_plan"):  # auto: TorchRec runs the tables' plan
         plan = plan.torchrec_plan
     t0 = time.perf_counter()
@@ -165,7 +181,8 @@ def run(args, ctx):
             "cpu_s": cpu_s, "bytes_per_step": sum(r["bytes"] for r in per_rank) / len(per_rank),
             "collectives_per_step": comm["calls"], "peak_live_mib": max(r["peak"] for r in per_rank) / 2**20,
             "resident_mib": resident / 2**20, "memory_method": method, "loss_last": losses[-1],
-            "by_kind": comm["by_kind"], "plan": describe(getattr(plan, "torchrec_plan", None) or plan)}
+            "by_kind": comm["by_kind"], "plan": describe(getattr(plan, "torchrec_plan", None) or plan),
+            "est_ms": est_ms}
 
 
 if __name__ == "__main__":

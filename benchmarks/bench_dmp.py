@@ -79,12 +79,13 @@ def main(argv=None) -> int:
     for sharding in args.shardings:
         plan = next((r.get("plan") for r in records if r["sharding"] == sharding and r.get("status") == "ok"), None)
         row = [f"{sharding} ({plan})" if sharding in ("planned", "trplanned", "auto") and plan else sharding]
+        row.append(C.fmt(C.median(per_rep("graphshard", sharding, "est_ms")), 3))
         for variant in VARIANTS:
             row += [C.fmt(C.median(per_rep(variant, sharding, "step_s")), 4),
                     C.fmt((C.median(per_rep(variant, sharding, "bytes_per_step")) or 0) / 2**20, 2),
                     C.fmt(C.median(per_rep(variant, sharding, "peak_live_mib")), 0)]
         rows.append(row)
-    table = C.markdown_table(["sharding", "TorchRec step (s)", "TorchRec MiB moved", "TorchRec peak MiB",
+    table = C.markdown_table(["sharding", "est ms (cost model)", "TorchRec step (s)", "TorchRec MiB moved", "TorchRec peak MiB",
                               "graphshard step (s)", "graphshard MiB moved", "graphshard peak MiB"], rows)
     ratio_rows = []
     for sharding in args.shardings:

@@ -190,3 +190,27 @@ def test_cost_model_terms():
     assert cw.lookup[1] == pytest.approx(tw.lookup[0] / 2)  # all the ids, half the columns
     dp = _cost.estimate(t, _cost.Option("data_parallel", (0, 1)), hw)
     assert dp.memory == {0: 2 * 1000 * 64 * 4, 1: 2 * 1000 * 64 * 4}  # whole, with its gradient
+
+
+def test_estimate_plan_of_any_plan():
+    # the planner's own plan estimates as it did when planned; TorchRec's planner's plan (and a
+    # hand plan) are estimated by the same cost model, so the planners compare on one scale
+    from torchrec.distributed.planner import EmbeddingShardingPlanner as TorchRecPlanner
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    constraints = {f"t{i}": ParameterConstraints(pooling_factors=[10.0]) for i in range(8)}
+    ours = EmbeddingShardingPlanner(topology=_topology(2), constraints=constraints)
+    plan = ours.plan(_dlrm(), _sharders())
+    again = ours.estimate_plan(_dlrm(), plan, _sharders())
+    assert again.load == pytest.approx(ours.estimate.load) and again.memory == ours.estimate.memory
+    theirs = TorchRecPlanner(topology=_topology(2), constraints=constraints).plan(_dlrm(), _sharders())
+    assert max(ours.estimate_plan(_dlrm(), theirs, _sharders()).load) >= max(ours.estimate.load) - 1e-12
+    model = _dlrm()
+    ebc = model.sparse_arch.embedding_bag_collection
+    rw = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding={f"t{i}": row_wise(compute_kernel="fused") for i in range(8)}, world_size=2,
+        device_type="cpu")})
+    hand = ours.estimate_plan(model, rw, _sharders())
+    assert {t.option.sharding_type for t in hand.tables} == {"row_wise"}
+    assert max(hand.load) > max(ours.estimate.load)  # row-wise moves twice the pooled rows: worse here

@@ -140,27 +140,7 @@ class EmbeddingShardingPlanner:
         """A TorchRec ``ShardingPlan`` for every embedding module of ``module`` that a sharder handles."""
         from torchrec.distributed.types import ShardingPlan
 
-        from graphshard.model_parallel import _plan
-
-        topology = self._topology or _default_topology(world)
-        hw = _cost.hardware_of(topology)
-        sharders = list(sharders) if sharders is not None else _default_sharders()
-        found = _plan.find_modules(module)
-        tables: list[tuple[str, nn.Module, object, TableStats, list[str]]] = []  # fqn, module, config, stats, kinds
-        for mod, fqns in found.values():
-            sharder = next((s for s in sharders if isinstance(mod, s.module_type)), None)
-            if sharder is None:
-                log.warning("planner: no sharder handles %s (%s); it is not planned", fqns[0], type(mod).__name__)
-                continue
-            fused = _plan.fused_params_of(mod, fqns[0], sharder)
-            for cfg in _table_configs(mod):
-                stats = self._stats(mod, cfg, fused)
-                tables.append((fqns[0], mod, cfg, stats, self._kinds(fqns[0], mod, cfg, sharder, topology, hw)))
-        known = {cfg.name for _, _, cfg, _, _ in tables}
-        unknown = sorted(set(self._constraints) - known)
-        if unknown:
-            raise ValueError(f"ParameterConstraints name table(s) {unknown} that the model does not have; "
-                             f"its tables are {sorted(known)}")
+        topology, hw, tables = self._tables(module, sharders, world)
         assignment = _best(tables, hw, self._min_partition)
         self.estimate = PlanEstimate(
             tables=[TableEstimate(fqn, cfg.name, assignment.options[i], assignment.costs[i])
@@ -174,6 +154,51 @@ class EmbeddingShardingPlanner:
         if self._debug:
             log.info("planner:\n%s", self.estimate.format())
         return plan
+
+    def estimate_plan(self, module: nn.Module, plan, sharders=None, *, world: int | None = None) -> PlanEstimate:
+        """The cost model's estimate of any TorchRec ``plan`` for ``module`` (a hand plan, TorchRec's
+        planner's), on this planner's topology and workload: what ``plan`` estimates for its own."""
+        from graphshard.model_parallel import _plan
+
+        _, hw, tables = self._tables(module, sharders, world)
+        found = _plan.find_modules(module)
+        load, memory, estimates = [0.0] * hw.world, [0] * hw.world, []
+        for fqn, mod, cfg, stats, _ in tables:
+            mp = _plan.module_plan(found[id(mod)][1], plan)
+            if mp is None or cfg.name not in mp:
+                raise ValueError(f"the plan has no entry for table {cfg.name!r} of {fqn}")
+            option = _option_of(mp[cfg.name], hw)
+            cost = _cost.estimate(stats, option, hw)
+            estimates.append(TableEstimate(fqn, cfg.name, option, cost))
+            for r in range(hw.world):
+                load[r] += cost.time(r)
+                memory[r] += cost.memory.get(r, 0)
+        return PlanEstimate(tables=estimates, load=load, memory=memory, capacity=list(hw.capacity),
+                            batch=self._batch_size)
+
+    def _tables(self, module: nn.Module, sharders, world: int | None):
+        """The topology, its cost-model view, and each planned table: (fqn, module, config, stats, kinds)."""
+        from graphshard.model_parallel import _plan
+
+        topology = self._topology or _default_topology(world)
+        hw = _cost.hardware_of(topology)
+        sharders = list(sharders) if sharders is not None else _default_sharders()
+        tables: list[tuple[str, nn.Module, object, TableStats, list[str]]] = []
+        for mod, fqns in _plan.find_modules(module).values():
+            sharder = next((s for s in sharders if isinstance(mod, s.module_type)), None)
+            if sharder is None:
+                log.warning("planner: no sharder handles %s (%s); it is not planned", fqns[0], type(mod).__name__)
+                continue
+            fused = _plan.fused_params_of(mod, fqns[0], sharder)
+            for cfg in _table_configs(mod):
+                stats = self._stats(mod, cfg, fused)
+                tables.append((fqns[0], mod, cfg, stats, self._kinds(fqns[0], mod, cfg, sharder, topology, hw)))
+        known = {cfg.name for _, _, cfg, _, _ in tables}
+        unknown = sorted(set(self._constraints) - known)
+        if unknown:
+            raise ValueError(f"ParameterConstraints name table(s) {unknown} that the model does not have; "
+                             f"its tables are {sorted(known)}")
+        return topology, hw, tables
 
     # ---- per table ----
     def _min_partition(self, name: str) -> int:
@@ -383,6 +408,17 @@ def _module_plan(mod: nn.Module, options: dict, hw: Hardware, device_type: str) 
         if ps.sharding_type != DP:
             ps.compute_kernel = "fused"
     return plan
+
+
+def _option_of(ps, hw: Hardware) -> Option:
+    """A TorchRec ``ParameterSharding`` -> the cost model's option (its shards' ranks, in column order)."""
+    kind = str(ps.sharding_type)
+    if kind in (RW, DP):
+        return Option(kind, tuple(range(hw.world)))
+    if kind == CW:
+        shards = sorted(ps.sharding_spec.shards, key=lambda md: md.shard_offsets[1])
+        return Option(kind, tuple(md.placement.rank() for md in shards))
+    return Option(kind, tuple(sorted(set(ps.ranks))))
 
 
 def _table_configs(mod: nn.Module) -> list:
