@@ -162,3 +162,25 @@ def test_dmp_takes_the_auto_plan():
         DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), plan=plan,
                                  data_parallel_wrapper=graphshard.model_parallel.FullyShardDense(),
                                  init_data_parallel=False)
+
+
+class TablesAndMLP(nn.Module):
+    """Bags into a tensor-parallel-able MLP (48 -> 64 -> 48), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.big = nn.EmbeddingBag(4000, 48, mode="sum")
+        self.up, self.down, self.head = nn.Linear(48, 64), nn.Linear(64, 48), nn.Linear(48, 1)
+
+    def forward(self, ids, offsets):
+        x = self.big(ids, offsets)
+        return self.head(x + self.down(torch.relu(self.up(x))))
+
+
+def test_tables_and_tensor_parallel_on_a_2d_mesh():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = graphshard.auto_plan(TablesAndMLP(), mesh, memory_budget=64 * MiB, batch=_bags())
+    kinds = _kinds(plan)
+    assert kinds["up"] == "ColwiseParallel" and kinds["down"] == "RowwiseParallel" and "head" not in kinds
+    assert kinds["big"] == "ShardEmbedding" and plan.rules["big"].mesh_axis == "dp"  # tables over the dp axis
+    assert kinds[""] == "Replicate"
