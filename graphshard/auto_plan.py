@@ -57,6 +57,7 @@ class _Call:
     input_id: int
     ids: int = 0        # EmbeddingBag: ids in the call
     bags: int = 0       # EmbeddingBag: bags in the call
+    input: object = None  # held for the probe's length, so no two inputs ever share an id()
 
 
 @dataclass
@@ -160,7 +161,7 @@ def _probe(model: nn.Module, batch, collections: dict) -> tuple[list[_Call], dic
         seen.add(id(mod))
         fqn = names[id(mod)]
         first = args[0] if args else kwargs.get("input")
-        call = _Call(fqn, mod, fqn.rpartition(".")[0], id(first))
+        call = _Call(fqn, mod, fqn.rpartition(".")[0], id(first), input=first)
         if isinstance(mod, nn.EmbeddingBag):
             ids = first
             offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
@@ -181,6 +182,8 @@ def _probe(model: nn.Module, batch, collections: dict) -> tuple[list[_Call], dic
     finally:
         for h in handles:
             h.remove()
+    for call in calls:
+        call.input = None
     return calls, kjts
 
 
