@@ -200,8 +200,9 @@ def _tensor_parallel(model, calls, tp: int, out: _Decision) -> set[str]:
                and linears[i + len(group)].input_id == group[0].input_id):
             group.append(linears[i + len(group)])
         width = group[0].module.out_features
+        same_width = all(g.module.out_features == width for g in group)
         nxt = next((c for c in linears[i + len(group):] if c.parent == group[0].parent and c.input_id != group[0].input_id
-                    and c.module.in_features == width and all(g.module.out_features == width for g in group)), None)
+                    and c.module.in_features == width), None) if same_width else None
         if nxt is not None and nxt.fqn not in styles and nxt.module.out_features == group[0].module.in_features:
             names = ", ".join(g.fqn for g in group)
             if width % tp:
@@ -361,10 +362,8 @@ def _bag_table(call: _Call, optimizer: str) -> _Table:
 
 def _torchrec_collections(model: nn.Module) -> dict:
     """TorchRec ``EmbeddingBagCollection`` s / ``EmbeddingCollection`` s by identity: (module, first FQN)."""
-    try:
-        from graphshard.model_parallel._plan import find_modules
-    except ImportError:
-        return {}
+    from graphshard.model_parallel._plan import find_modules
+
     try:
         found = find_modules(model)
     except ImportError:  # TorchRec is not installed: no such modules

@@ -206,7 +206,9 @@ class DistributedModelParallel(nn.Module):
         if self._plan_estimate is not None:  # the measured step beside the planner's estimate (explain)
             now = time.perf_counter()
             if self._last_forward is not None:
-                self._plan_estimate.measured[:] = self._plan_estimate.measured[-99:] + [now - self._last_forward]
+                measured = self._plan_estimate.measured
+                measured.append(now - self._last_forward)
+                del measured[:-100]
             self._last_forward = now
         if self._sequence:
             # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
