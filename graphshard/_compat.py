@@ -24,6 +24,19 @@ TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")
 if TORCH_VERSION < (2, 11):  # pragma: no cover - guarded by pyproject
     raise ImportError(f"graphshard needs torch >= 2.11, found {torch.__version__}")
 
+# Multi-tensor ops (one launch for a list of tensors on CUDA; a loop on the CPU), as torch.optim uses them.
+foreach_add = torch._foreach_add
+foreach_add_ = torch._foreach_add_
+foreach_div_ = torch._foreach_div_
+
+
+def foreach_clone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """New tensors holding ``tensors``' values, copied by one multi-tensor op."""
+    out = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    torch._foreach_copy_(out, tensors)
+    return out
+
+
 # Functional collectives (the ops Inductor knows how to issue asynchronously).
 c10d = torch.ops._c10d_functional
 

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from graphshard import _compat
 from graphshard._compat import c10d
 from graphshard.params import AxisGroup, ParamInfo, chunk_size, lookup
 from graphshard.plan import StridedShard
@@ -159,22 +160,26 @@ def _pack_grads_fake(grads, world, numels, dtype):
 
 @torch.library.impl(lib, "unpack_reduced", "CompositeExplicitAutograd")
 def _unpack_reduced(buf, rows, numels, keep):
-    """Cuts the reduced bucket into its gradients: views of one new tensor, so the bucket is
-    copied (or averaged) in one pass. ``buf`` holds ``rows`` copies of the bucket (one per
+    """Cuts the reduced bucket into its gradients: gradient i is the first ``keep[i]`` elements
+    of its ``numels[i]``-element slot. ``buf`` holds ``rows`` copies of the bucket (one per
     source rank, from an all-to-all), averaged here; ``rows=1`` is a bucket the collective
-    already reduced."""
+    already reduced.
+
+    Each gradient is a new tensor, as the fake impl says and as a custom op's outputs must be
+    (none may alias another): Inductor takes them to start at an aligned address, and views of
+    one bucket at a parameter's odd offset do not (it checks alignment in the code it
+    generates). The copy (or average) is one multi-tensor op over the bucket's slices."""
     table = buf.view(rows, -1)
+    starts = [0]
+    for n in numels[:-1]:
+        starts.append(starts[-1] + n)
+    slices = [[table[r].narrow(0, s, k) for s, k in zip(starts, keep)] for r in range(rows)]
     if rows == 1:
-        flat = table[0].clone()
-    else:
-        flat = torch.add(table[0], table[1])
-        for r in range(2, rows):
-            flat.add_(table[r])
-        flat.div_(rows)
-    out, offset = [], 0
-    for n, k in zip(numels, keep):
-        out.append(flat.narrow(0, offset, k))
-        offset += n
+        return _compat.foreach_clone(slices[0])
+    out = _compat.foreach_add(slices[0], slices[1])
+    for r in range(2, rows):
+        _compat.foreach_add_(out, slices[r])
+    _compat.foreach_div_(out, rows)
     return out
 
 

@@ -35,7 +35,8 @@ from _runner import run_cases
 
 STEPS = 4
 BATCH = 8      # per rank
-DENSE_IN = 8
+DENSE_IN = 7   # dense layers whose sizes are no multiples of 4 (their gradients, cut from one reduced
+               # bucket, once failed Inductor's alignment check: tests/test_bucket_ops.py)
 DIM = 8
 SEQ = 4        # a sequence feature's padded length (ids per sample are 0..3)
 LR = 0.05
@@ -227,8 +228,8 @@ def build(model: str) -> nn.Module:
     if model in ("dlrm", "dlrm4"):
         from torchrec.models.dlrm import DLRM
 
-        return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[16, DIM],
-                    over_arch_layer_sizes=[16, 1])
+        return DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[13, DIM],
+                    over_arch_layer_sizes=[11, 1])
     return TwoTower(ebc, sum(t.embedding_dim * len(t.feature_names) for t in tables))
 
 

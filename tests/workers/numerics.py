@@ -42,8 +42,8 @@ def build(model_name: str):
         return Transformer(SMALL)
     if model_name == "shared":
         return SharedBlockMLP()
-    if model_name == "mlp16":  # every shard 16-byte aligned in its unit's buffer (whole-graph lowering needs it)
-        return MLP(16, 32, 8)
+    if model_name == "odd":  # every parameter's shard a size that is no multiple of 4, 8 or 16
+        return MLP(7, 13, 5)
     return MLP(10, 30, 7)
 
 
@@ -51,7 +51,7 @@ def batch(model_name: str, step: int, n: int):
     if model_name == "transformer":
         return token_batch(step, n, SMALL.max_seq_len, SMALL.vocab_size, seed=1)
     g = torch.Generator().manual_seed(step + 11)
-    d_in, d_out = (16, 8) if model_name == "mlp16" else (10, 7)
+    d_in, d_out = (7, 5) if model_name == "odd" else (10, 7)
     return torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)
 
 
