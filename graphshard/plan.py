@@ -112,8 +112,10 @@ class ShardEmbedding:
     the table is updated in its backward by fbgemm's fused ``optimizer`` (``"sgd"``,
     ``"adagrad"``, ``"rowwise_adagrad"``) with ``learning_rate`` and ``eps``, on the global
     batch's mean gradient; its weight stays readable in ``state_dict()`` as a DTensor.
-    ``kernel`` runs the lookup and the fused update: ``"fbgemm"`` (fbgemm's TBE) or ``"triton"``
-    (graphshard's Triton TBE, ``kernels/triton_tbe.py``; on the CPU under ``TRITON_INTERPRET=1``).
+    ``kernel`` runs the lookup and the fused update: ``"fbgemm"`` (fbgemm's TBE; CPU tables),
+    ``"triton"`` (graphshard's Triton TBE, ``kernels/triton_tbe.py``: on CUDA, or on the CPU under
+    ``TRITON_INTERPRET=1``; its program needs no fbgemm at all) or ``"auto"``: fbgemm's where it can
+    run (the CPU, fbgemm installed), else the Triton TBE.
     """
 
     sharding_type: str = "table_wise"
@@ -122,7 +124,7 @@ class ShardEmbedding:
     optimizer: str = "sgd"
     learning_rate: float = 0.01
     eps: float = 1e-8
-    kernel: str = "fbgemm"
+    kernel: str = "auto"
 
 
 UnitSpec = Union[FullyShard, Replicate]

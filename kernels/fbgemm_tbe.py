@@ -14,9 +14,10 @@ stateless kernels (``split_embedding_codegen_forward_cpu`` and
 tracing needs. Those kernels take the per-sample weights as a defined tensor (an unweighted
 lookup cannot be asked for from Python), so unweighted lookups pass ones.
 
-``FusedTBE`` holds one rank's tables in fbgemm's layout: the module's buffers are built by
+``fbgemm_state`` builds one rank's tables for ``FusedTBE`` (``kernels/fused_tbe.py``) with
 fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` from the same arguments (so the optimizer's
-defaults and settings are fbgemm's), and it keeps only the tensors the kernels read.
+defaults and settings are fbgemm's) and keeps only the tensors the kernels read. These are
+fbgemm's CPU kernels: ``FusedTBE`` uses them for tables on the CPU only.
 
 The kernel always pools by sum: fbgemm's CPU backward ignores mean pooling when it is given
 per-sample weights (measured: an SGD step 0.06-0.2 away from the torch reference), and the
@@ -26,11 +27,12 @@ sum divided by the bag's length, done by the caller on the pooled output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn as nn
+
+from .fused_tbe import TBESlot, first_out_of_range, optimizer_name
+
 
 def _fbgemm():
     try:
@@ -49,35 +51,9 @@ def _fbgemm():
     return EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 
 
-def optimizer_name(optim) -> str:
-    """fbgemm's ``EmbOptimType`` -> the name graphshard's kernels use; unsupported ones are refused."""
-    EmbOptimType = _fbgemm()[0]
-    names = {EmbOptimType.EXACT_SGD: "sgd", EmbOptimType.EXACT_ADAGRAD: "adagrad",
-             EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad"}
-    if optim not in names:
-        raise NotImplementedError(
-            f"fused optimizer {optim} is not supported by graphshard's TBE; use EXACT_SGD, EXACT_ADAGRAD "
-            "or EXACT_ROWWISE_ADAGRAD (fused_params={'optimizer': ...})"
-        )
-    return names[optim]
-
-
 # --------------------------------------------------------------------------------------------
 # The ops.
 # --------------------------------------------------------------------------------------------
-def first_out_of_range(ids: torch.Tensor, counts: torch.Tensor, limits: torch.Tensor) -> tuple[int, int] | None:
-    """(position, row) of the first id outside ``[0, limit)`` of its row, or None. The ids are
-    grouped by row, ``counts[r]`` of them in row ``r``; a negative limit checks only the sign."""
-    if ids.numel() == 0:
-        return None
-    limit = torch.repeat_interleave(limits, counts, output_size=ids.numel())
-    bad = (ids < 0) | ((ids >= limit) & (limit >= 0))
-    if not bool(bad.any()):
-        return None
-    i = int(bad.nonzero()[0, 0])
-    return i, int(torch.searchsorted(counts.cumsum(0), i, right=True))
-
-
 def _check_ids(indices, offsets, rows, names, row_offsets):
     """Raises ValueError naming the table and feature of the first id outside its table (or shard)."""
     counts = (offsets[1:] - offsets[:-1]).view(rows.numel(), -1).sum(1)
@@ -175,155 +151,11 @@ def _backward(ctx, grad):
 tbe_lookup.register_autograd(_backward, setup_context=_setup)
 
 
+
+
 # --------------------------------------------------------------------------------------------
-# One rank's tables in fbgemm's layout.
+# One rank's tables, built by fbgemm's module.
 # --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TBESlot:
-    """One feature looked up by a ``FusedTBE``: its table's position and its name (for errors)."""
-
-    table: int
-    name: str
-
-
-class FusedTBE(nn.Module):
-    """One rank's table shards (``shapes``: rows, dim each) with a fused optimizer, in fbgemm's layout.
-
-    ``slots`` are the features looked up, in the order of the lookup's KJT, each naming its table
-    (several features may share one table). ``grad_scale`` multiplies the gradient the optimizer
-    applies (a sharded table: one over the world size, the global batch's mean gradient).
-    ``fused_params`` are fbgemm's constructor keywords
-    (``optimizer``, ``learning_rate``, ``eps``, ``weight_decay``, ...); unset ones keep fbgemm's
-    defaults. ``row_offsets`` says where each shard starts in its logical table (error messages).
-    """
-
-    def __init__(self, shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], *,
-                 fused_params: dict, row_offsets: Sequence[int], bounds_check: bool = True, grad_scale: float = 1.0,
-                 kernel: str = "fbgemm"):
-        super().__init__()
-        if kernel not in ("fbgemm", "triton"):
-            raise ValueError(f"FusedTBE kernel={kernel!r}: use 'fbgemm' (compute_kernel='fused') or 'triton' "
-                             "(compute_kernel='fused_triton')")
-        self.kernel = kernel
-        EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = _fbgemm()
-        tables = [s.table for s in slots]
-        if tables != sorted(tables):
-            # fbgemm's weighted row-wise Adagrad on the CPU updates nothing when one table's features
-            # are not next to each other ("num of rows processed by adagrad: 0")
-            raise ValueError(f"FusedTBE slots must list each table's features together, in table order; got tables {tables}")
-        params = {k: v for k, v in fused_params.items() if k in _FBGEMM_KWARGS}
-        ref = TBE([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in shapes],
-                  feature_table_map=[s.table for s in slots],
-                  pooling_mode=PoolingMode.SUM, **params)
-        self.optimizer = optimizer_name(ref.optimizer)
-        args = ref.optimizer_args
-        self.optim_args = (float(args.eps), float(args.weight_decay), float(args.weight_decay_mode),
-                           float(args.max_norm))
-        self.shapes = [tuple(s) for s in shapes]
-        self.slots = list(slots)
-        self.pooling = 0  # PoolingMode.SUM
-        self.total_D = int(ref.total_D)
-        self.max_D = int(ref.max_D)
-        self.total_hash_size_bits = int(ref.total_hash_size_bits)
-        self.bounds_check = bounds_check
-        self.grad_scale = float(grad_scale)
-        self.names = [s.name for s in slots]
-        self.slot_row_offsets = [int(row_offsets[s.table]) for s in slots]
-        self.register_buffer("weights", ref.weights_host.detach().clone())
-        self.register_buffer("momentum", ref.momentum1_host.detach().clone() if self.optimizer != "sgd"
-                             else torch.empty(0))
-        self.register_buffer("lr", ref.learning_rate_tensor.detach().clone().float())
-        self.register_buffer("token", torch.zeros(0, requires_grad=True), persistent=False)
-        self.register_buffer("weights_offsets", ref.weights_offsets.clone(), persistent=False)
-        self.register_buffer("D_offsets", ref.D_offsets.clone(), persistent=False)
-        self.register_buffer("hash_size_cumsum", ref.hash_size_cumsum.clone(), persistent=False)
-        self.register_buffer("momentum_offsets", ref.momentum1_offsets.clone() if self.optimizer != "sgd"
-                             else torch.zeros(len(shapes), dtype=torch.int64), persistent=False)
-        self.register_buffer("rows", torch.tensor([shapes[s.table][0] for s in slots], dtype=torch.int64),
-                             persistent=False)
-        # fbgemm's offsets are per feature; where each table starts, read from its own views
-        self._table_offsets = _starts(ref.weights_host, ref.split_embedding_weights())
-        self._state_offsets = (_starts(ref.momentum1_host, [s[0] for s in ref.split_optimizer_states()])
-                               if self.optimizer != "sgd" else [])
-        if kernel == "triton":
-            self._triton_buffers(shapes, slots)
-
-    def _triton_buffers(self, shapes, slots) -> None:
-        """The Triton kernel's layout tensors. It reads and updates fbgemm's own buffers in place:
-        tables one after another, the state per row (row-wise Adagrad) or per weight (Adagrad)."""
-        from graphshard.kernels.triton_tbe_op import layout_buffers
-
-        for name, t in layout_buffers(shapes, [s.table for s in slots]).items():
-            self.register_buffer(f"triton_{name}", t, persistent=False)
-        assert self._table_offsets == self.triton_weights_offsets.tolist(), (self._table_offsets, shapes)
-        if self.optimizer == "rowwise_adagrad":
-            assert self._state_offsets == self.triton_row_offsets.tolist(), self._state_offsets
-        elif self.optimizer == "adagrad":
-            assert self._state_offsets == self._table_offsets, self._state_offsets
-        if self.optim_args[3]:
-            raise NotImplementedError(f"max_norm={self.optim_args[3]}: the 'fused_triton' kernel has no max_norm; "
-                                      "use compute_kernel='fused'")
-
-    @property
-    def learning_rate(self) -> float:
-        return float(self.lr)
-
-    def table(self, t: int) -> torch.Tensor:
-        """Table shard ``t`` as a ``[rows, dim]`` view of the flat weights (reads and writes go through)."""
-        rows, dim = self.shapes[t]
-        start = self._table_offsets[t]
-        return self.weights[start : start + rows * dim].view(rows, dim)
-
-    def state(self, t: int) -> torch.Tensor | None:
-        """Table shard ``t``'s optimizer state as a view: per row (row-wise Adagrad), per element
-        (Adagrad), None (SGD)."""
-        if self.optimizer == "sgd":
-            return None
-        rows, dim = self.shapes[t]
-        start = self._state_offsets[t]
-        if self.optimizer == "rowwise_adagrad":
-            return self.momentum[start : start + rows]
-        return self.momentum[start : start + rows * dim].view(rows, dim)
-
-    def lookup(self, indices: torch.Tensor, offsets: torch.Tensor,
-               per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        return self.lookup_with(self.token, self.weights, self.momentum, self.lr, indices, offsets, per_sample_weights)
-
-    CONSTANTS = ("weights_offsets", "D_offsets", "hash_size_cumsum", "momentum_offsets", "rows")
-    """The layout tensors the kernels read that never change (a traced program holds them as constants)."""
-
-    def constants(self) -> dict[str, torch.Tensor]:
-        if self.kernel == "triton":
-            from graphshard.kernels.triton_tbe_op import LAYOUT
-
-            return {f"triton_{name}": getattr(self, f"triton_{name}") for name in LAYOUT}
-        return {name: getattr(self, name) for name in self.CONSTANTS}
-
-    def lookup_with(self, token: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor,
-                    indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
-                    constants: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """``lookup`` with the state tensors (and, when tracing, the layout constants) given."""
-        c = constants or self.constants()
-        if self.kernel == "triton":
-            from graphshard.kernels.triton_tbe_op import LAYOUT
-
-            return torch.ops.graphshard.triton_tbe_lookup(
-                token, weights, momentum, lr, *(c[f"triton_{name}"] for name in LAYOUT), indices, offsets,
-                per_sample_weights, [v for shape in self.shapes for v in shape], [s.table for s in self.slots],
-                self.total_D, self.optimizer, list(self.optim_args), self.bounds_check, self.grad_scale,
-            )
-        return torch.ops.graphshard.tbe_lookup(
-            token, weights, momentum, lr, c["weights_offsets"], c["D_offsets"], c["hash_size_cumsum"],
-            c["momentum_offsets"], c["rows"], indices, offsets, per_sample_weights,
-            self.total_D, self.max_D, self.total_hash_size_bits, self.pooling, self.optimizer,
-            list(self.optim_args), "\n".join(self.names), self.slot_row_offsets, self.bounds_check, self.grad_scale,
-        )
-
-
-def _starts(flat: torch.Tensor, views) -> list[int]:
-    return [(v.data_ptr() - flat.data_ptr()) // flat.element_size() for v in views]
-
-
 _FBGEMM_KWARGS = ("optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode", "max_norm",
                   "stochastic_rounding")
 """The fused-params keys graphshard passes to fbgemm (the optimizer's); others (caching,
@@ -331,17 +163,40 @@ prefetch, output dtype) do not apply to the CPU kernels and are ignored by the c
 logged note."""
 
 
-def reference_lookup(tables: Sequence[torch.Tensor], slots: Sequence[TBESlot], indices: torch.Tensor,
-                     offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, pooling: str) -> torch.Tensor:
-    """The torch reference of ``tbe_lookup``: ``embedding_bag`` per feature, side by side."""
-    n = len(slots)
-    bags = (offsets.numel() - 1) // n
-    outs = []
-    for f, slot in enumerate(slots):
-        lo, hi = int(offsets[f * bags]), int(offsets[(f + 1) * bags])
-        local = offsets[f * bags : (f + 1) * bags + 1] - lo
-        psw = per_sample_weights[lo:hi] if per_sample_weights is not None else None
-        outs.append(torch.nn.functional.embedding_bag(indices[lo:hi], tables[slot.table], local,
-                                                      mode=pooling, per_sample_weights=psw,
-                                                      include_last_offset=True))
-    return torch.cat(outs, dim=1)
+def fbgemm_state(shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], fused_params: dict) -> dict:
+    """fbgemm's module for tables ``shapes`` looked up by ``slots``: its optimizer (name and
+    ``(eps, weight_decay, weight_decay_mode, max_norm)``), the tensors its CPU kernels read (host
+    memory), and where each table and table state starts in the flat buffers."""
+    EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = _fbgemm()
+    tables = [s.table for s in slots]
+    if tables != sorted(tables):
+        # fbgemm's weighted row-wise Adagrad on the CPU updates nothing when one table's features
+        # are not next to each other ("num of rows processed by adagrad: 0")
+        raise ValueError(f"FusedTBE slots must list each table's features together, in table order; got tables {tables}")
+    params = {k: v for k, v in fused_params.items() if k in _FBGEMM_KWARGS}
+    if isinstance(params.get("optimizer"), str):  # graphshard's name ("rowwise_adagrad") -> fbgemm's member
+        params["optimizer"] = getattr(EmbOptimType, f"EXACT_{optimizer_name(params['optimizer']).upper()}")
+    ref = TBE([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in shapes],
+              feature_table_map=tables, pooling_mode=PoolingMode.SUM, **params)
+    optimizer = optimizer_name(ref.optimizer)
+    args = ref.optimizer_args
+    return {
+        "optimizer": optimizer,
+        "optim_args": (float(args.eps), float(args.weight_decay), float(args.weight_decay_mode), float(args.max_norm)),
+        "total_D": int(ref.total_D), "max_D": int(ref.max_D), "total_hash_size_bits": int(ref.total_hash_size_bits),
+        "weights": ref.weights_host.detach().clone(),
+        "momentum": ref.momentum1_host.detach().clone() if optimizer != "sgd" else torch.empty(0),
+        "lr": ref.learning_rate_tensor.detach().clone().float(),
+        "weights_offsets": ref.weights_offsets.clone(), "D_offsets": ref.D_offsets.clone(),
+        "hash_size_cumsum": ref.hash_size_cumsum.clone(),
+        "momentum_offsets": (ref.momentum1_offsets.clone() if optimizer != "sgd"
+                             else torch.zeros(len(shapes), dtype=torch.int64)),
+        # fbgemm's offsets are per feature; where each table starts, read from its own views
+        "table_offsets": _starts(ref.weights_host, ref.split_embedding_weights()),
+        "state_offsets": (_starts(ref.momentum1_host, [s[0] for s in ref.split_optimizer_states()])
+                          if optimizer != "sgd" else []),
+    }
+
+
+def _starts(flat: torch.Tensor, views) -> list[int]:
+    return [(v.data_ptr() - flat.data_ptr()) // flat.element_size() for v in views]

@@ -131,7 +131,7 @@ def _tbe_update_kernel(
     grad_ptr, weights_ptr, state_ptr, weights_offsets_ptr, D_offsets_ptr, feature_table_map_ptr,
     indices_ptr, offsets_ptr, per_sample_weights_ptr,
     bag_of_id_ptr, sorted_keys_ptr, order_ptr, segment_end_ptr,
-    B, total_D, learning_rate, eps, weight_decay,
+    lr_ptr, B, total_D, eps, weight_decay,
     OPTIMIZER: tl.constexpr, WEIGHT_DECAY_MODE: tl.constexpr, WEIGHTED: tl.constexpr, MEAN: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -174,6 +174,7 @@ def _tbe_update_kernel(
         first += BLOCK_L
 
     update_mask = col_mask & leader
+    learning_rate = tl.load(lr_ptr).to(tl.float32)  # read on the device: a changed rate needs no new launch or host sync
     w_ptrs = weights_ptr + row_begin + cols
     w = tl.load(w_ptrs, mask=update_mask, other=0.0).to(tl.float32)
     if OPTIMIZER == 0:
@@ -337,10 +338,13 @@ def tbe_forward(weights: torch.Tensor, layout: TBELayout, indices: torch.Tensor,
 def tbe_backward_update_(grad_output: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, layout: TBELayout,
                          indices: torch.Tensor, offsets: torch.Tensor,
                          per_sample_weights: torch.Tensor | None = None, *, pooling: str = "sum",
-                         optimizer: TBEOptimizer, validate: bool = True) -> None:
+                         optimizer: TBEOptimizer, learning_rate: torch.Tensor | None = None,
+                         validate: bool = True) -> None:
     """The backward of ``tbe_forward`` with ``optimizer`` fused in: updates ``weights`` (and the
     optimizer ``state``, see ``TBELayout.new_state``) in place. Each (table, row) the batch touches
     is updated once with the sum of its gradients, deterministically; no dense gradient is formed.
+    ``learning_rate``: a one-element fp32 tensor on the weights' device that the kernel reads
+    (a fused optimizer's rate, changed in place between steps); by default ``optimizer``'s.
     """
     batch = _check_batch(weights, layout, indices, offsets, per_sample_weights, pooling, validate)
     if not isinstance(optimizer, TBEOptimizer):
@@ -353,7 +357,13 @@ def tbe_backward_update_(grad_output: torch.Tensor, weights: torch.Tensor, state
                                     or not state.is_contiguous()):
         raise ValueError(f"{optimizer.kind} needs a contiguous 1-D fp32 state of {want} elements "
                          f"(layout.new_state(optimizer)), got {state.dtype} {tuple(state.shape)}")
-    _check_same_device(weights, layout, grad_output=grad_output, state=state if optimizer.kind != "sgd" else None)
+    if learning_rate is None:
+        learning_rate = torch.full((1,), optimizer.learning_rate, dtype=torch.float32, device=weights.device)
+    elif learning_rate.numel() != 1 or learning_rate.dtype != torch.float32:
+        raise ValueError(f"learning_rate must be a one-element fp32 tensor, got {learning_rate.dtype} "
+                         f"{tuple(learning_rate.shape)}")
+    _check_same_device(weights, layout, grad_output=grad_output, state=state if optimizer.kind != "sgd" else None,
+                       learning_rate=learning_rate)
     if layout.max_D > MAX_D:
         raise NotImplementedError(f"the fused TBE backward takes rows up to {MAX_D} wide, got {layout.max_D}")
     num_ids = indices.numel()
@@ -372,7 +382,7 @@ def tbe_backward_update_(grad_output: torch.Tensor, weights: torch.Tensor, state
         grad_output.contiguous(), weights, state if optimizer.kind != "sgd" else weights,
         layout.weights_offsets, layout.D_offsets, layout.feature_table_map,
         indices.contiguous(), offsets, psw, bag_of_id, sorted_keys, order, segment_end,
-        batch, layout.total_D, float(optimizer.learning_rate), float(optimizer.eps), float(optimizer.weight_decay),
+        learning_rate, batch, layout.total_D, float(optimizer.eps), float(optimizer.weight_decay),
         OPTIMIZER=OPTIMIZERS.index(optimizer.kind), WEIGHT_DECAY_MODE=optimizer.weight_decay_mode,
         WEIGHTED=per_sample_weights is not None, MEAN=pooling == "mean",
         BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,

@@ -5,8 +5,8 @@ its autograd formula calls ``graphshard::triton_tbe_update_``, the Triton backwa
 optimizer fused in (weights and state updated in place, no gradient returned), exactly as
 ``graphshard::tbe_lookup`` / ``tbe_update_`` do with fbgemm's CPU kernels. ``FusedTBE`` selects
 it with ``kernel="triton"`` (TorchRec's ``compute_kernel="fused_triton"``): the tables, the
-optimizer state and its layout stay the ones fbgemm's module built, so the two kernels are
-interchangeable on the same buffers.
+optimizer state and its layout are fbgemm's (``FusedTBE`` builds them, without fbgemm), so the
+two kernels are interchangeable on the same buffers.
 
 The layout travels as tensors (``TBELayout``'s) plus its host facts as int lists, because an
 op's arguments are tensors and scalars; the op rebuilds the ``TBELayout`` (no copy).
@@ -35,12 +35,12 @@ def _layout(tensors: Sequence[torch.Tensor], shapes: Sequence[int], tables: Sequ
                      weights_offsets_host=offsets)
 
 
-def _optimizer(kind: str, lr: torch.Tensor, optim_args: Sequence[float]) -> TBEOptimizer:
+def _optimizer(kind: str, optim_args: Sequence[float]) -> TBEOptimizer:
+    """The fused optimizer's settings (its learning rate is a tensor the kernel reads)."""
     eps, weight_decay, weight_decay_mode, max_norm = optim_args
     if max_norm:
         raise NotImplementedError(f"max_norm={max_norm}: graphshard's Triton TBE has no max_norm; use the 'fused' kernel")
-    return TBEOptimizer(kind=kind, learning_rate=float(lr), eps=eps, weight_decay=weight_decay,
-                        weight_decay_mode=int(weight_decay_mode))
+    return TBEOptimizer(kind=kind, eps=eps, weight_decay=weight_decay, weight_decay_mode=int(weight_decay_mode))
 
 
 @torch.library.custom_op("graphshard::triton_tbe_lookup", mutates_args=())
@@ -77,7 +77,7 @@ def triton_tbe_update_(
     if grad_scale != 1.0:
         grad = grad * grad_scale
     tbe_backward_update_(grad, weights, state, layout, indices, offsets, per_sample_weights, pooling="sum",
-                         optimizer=_optimizer(optimizer, lr, optim_args), validate=False)
+                         optimizer=_optimizer(optimizer, optim_args), learning_rate=lr.reshape(1), validate=False)
 
 
 @triton_tbe_update_.register_fake
@@ -102,8 +102,3 @@ def _backward(ctx, grad):
 triton_tbe_lookup.register_autograd(_backward, setup_context=_setup)
 
 
-def layout_buffers(shapes: Sequence[tuple[int, int]], feature_tables: Sequence[int]) -> dict[str, torch.Tensor]:
-    """The ``LAYOUT`` tensors of tables ``shapes`` looked up by features ``feature_tables`` (CPU;
-    a module's buffers, moved with it)."""
-    layout = TBELayout.create(shapes, feature_tables)
-    return {name: getattr(layout, name) for name in LAYOUT}

@@ -3,9 +3,10 @@
 ``graphshard::embedding_bags`` (one node: the KJT's values, lengths and weights in, the
 pooled ``[batch, total_dim]`` out; ``graphshard::embedding_seqs`` for a sequence collection,
 each feature's rows out) is replaced by the collection's sharded program
-(``graphshard.sparse.program``): the ids' input distribution (``fbgemm`` permutes and
-bucketizes, ``graphshard::all_to_all`` of lengths, then of ids with data-dependent sizes),
-the fused TBE lookup (``graphshard::tbe_lookup``), and the pooled output's distribution
+(``graphshard.sparse.program``): the ids' input distribution (permutes and bucketizes,
+fbgemm's or graphshard's ``kjt_*`` ops; ``graphshard::all_to_all`` of lengths, then of ids with
+data-dependent sizes), the fused TBE lookup (``graphshard::tbe_lookup`` or
+``graphshard::triton_tbe_lookup``), and the pooled output's distribution
 (``all_to_all`` or ``reduce_scatter``), as graph nodes. The program is traced in the graph's
 own fake mode, so data-dependent sizes become the graph's unbacked sizes; the TBE's layout
 tensors become constants of the graph module. Backward comes from autograd of the emitted
@@ -114,6 +115,8 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
             at += count
         g.erase_node(node)
     ctx.report.sparse.append(_describe(coll, n_uses))
+    if coll.layout.kernel_note:  # a kernel other than the plan's: listed with the fallbacks
+        ctx.report.fallbacks.append(coll.layout.kernel_note)
     log.info("shard_embeddings: %s", ctx.report.sparse[-1])
 
 

@@ -21,10 +21,10 @@ from _launch import torchrun  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
 TOL = 1e-5
-CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "dp:rowwise_adagrad:triton", "auto:rowwise_adagrad"],
+CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "auto:rowwise_adagrad"],
          4: ["dp_tp:rowwise_adagrad"]}
-"""``triton``: the sharded tables run graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``);
-``auto``: the plan is ``graphshard.auto_plan``'s (dense units and tables in an 8 KiB budget)."""
+"""``auto``: the plan is ``graphshard.auto_plan``'s (dense units and tables in an 8 KiB budget).
+graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``) trains in tests/test_sparse_without_fbgemm.py."""
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
-FusedTBE, TBESlot, reference_lookup = fbgemm_tbe.FusedTBE, fbgemm_tbe.TBESlot, fbgemm_tbe.reference_lookup
+from graphshard.kernels.fused_tbe import FusedTBE, TBESlot, reference_lookup  # noqa: E402
 EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_tbe._fbgemm()
 
 SHAPES = [(10, 4), (6, 8)]

@@ -241,6 +241,69 @@ class <lambda>(torch.nn.Module):
         return (reduce_scatter,)
 """)
 
+    def test_row_wise_without_fbgemm(self):
+        # the same program beside graphshard's Triton TBE ('fused_triton'): graphshard's own KJT ops
+        # (kjt_bucketize, a cumsum for the offsets) where fbgemm's were, the Triton lookup
+        from _triton import import_kernel
+
+        import_kernel("triton_tbe_op")  # on the CPU: under Triton's interpreter (the capture runs the model once)
+        text, _ = after_pass([T("a", ["f0"], rows=10)], {"a": row_wise(compute_kernel="fused_triton")})
+        self.assertNotIn("fbgemm", text)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[12]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[2]", arg5_1: "i64[3]"):
+        _sparse_rw_triton_weights_offsets: "i64[1]" = self._sparse_rw_triton_weights_offsets
+        _sparse_rw_triton_row_offsets: "i64[1]" = self._sparse_rw_triton_row_offsets
+        _sparse_rw_triton_table_rows: "i64[1]" = self._sparse_rw_triton_table_rows
+        _sparse_rw_triton_d_offsets: "i32[2]" = self._sparse_rw_triton_D_offsets
+        _sparse_rw_triton_feature_table_map: "i32[1]" = self._sparse_rw_triton_feature_table_map
+        view: "i64[1, 2]" = torch.ops.aten.view.default(arg4_1, [1, 2])
+        check_ids: "i64[3]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [10], "feature 'f0' (table 'a')");  arg5_1 = arg4_1 = None
+        _sparse_const: "i64[1]" = self._sparse_const
+        lift_fresh_copy: "i64[1]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        view_1: "i64[2]" = torch.ops.aten.view.default(view, [-1]);  view = None
+        kjt_bucketize = torch.ops.graphshard.kjt_bucketize.default(view_1, check_ids, lift_fresh_copy, 4);  view_1 = check_ids = lift_fresh_copy = None
+        getitem: "i64[8]" = kjt_bucketize[0]
+        getitem_1: "i64[3]" = kjt_bucketize[1];  kjt_bucketize = None
+        view_2: "i64[4, 2]" = torch.ops.aten.view.default(getitem, [4, 2]);  getitem = None
+        view_3: "i64[8]" = torch.ops.aten.view.default(view_2, [-1])
+        _sparse_const_1: "i64[4]" = self._sparse_const_1
+        lift_fresh_copy_1: "i64[4]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_1, sum_1);  zeros = lift_fresh_copy_1 = sum_1 = None
+        all_to_all: "i64[8]" = torch.ops.graphshard.all_to_all.default(view_3, [2, 2, 2, 2], [2, 2, 2, 2], 'dp');  view_3 = None
+        view_4: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_4, [1]);  view_4 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_4: "i64[]" = unbind[0]
+        getitem_5: "i64[]" = unbind[1]
+        getitem_6: "i64[]" = unbind[2]
+        getitem_7: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u0)" = torch.ops.aten._local_scalar_dense.default(getitem_4);  getitem_4 = None
+        _local_scalar_dense_1: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_5);  getitem_5 = None
+        _local_scalar_dense_2: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_6);  getitem_6 = None
+        _local_scalar_dense_3: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_8: "i64[]" = unbind_1[0]
+        getitem_9: "i64[]" = unbind_1[1]
+        getitem_10: "i64[]" = unbind_1[2]
+        getitem_11: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        _local_scalar_dense_5: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_6: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        _local_scalar_dense_7: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_11);  getitem_11 = None
+        all_to_all_1: "i64[u4 + u5 + u6 + u7]" = torch.ops.graphshard.all_to_all.default(getitem_1, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  getitem_1 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_5: "i64[4, 2]" = torch.ops.aten.view.default(all_to_all, [4, 2]);  all_to_all = None
+        view_6: "i64[8]" = torch.ops.aten.view.default(view_5, [-1]);  view_5 = None
+        new_zeros: "i64[1]" = torch.ops.aten.new_zeros.default(view_6, [1], pin_memory = False)
+        cumsum: "i64[8]" = torch.ops.aten.cumsum.default(view_6, 0, dtype = torch.int64);  view_6 = None
+        cat: "i64[9]" = torch.ops.aten.cat.default([new_zeros, cumsum]);  new_zeros = cumsum = None
+        triton_tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.triton_tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_rw_triton_weights_offsets, _sparse_rw_triton_row_offsets, _sparse_rw_triton_table_rows, _sparse_rw_triton_d_offsets, _sparse_rw_triton_feature_table_map, all_to_all_1, cat, None, [3, 4], [0], 4, 'sgd', [1e-08, 0.0, 0.0, 0.0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_rw_triton_weights_offsets = _sparse_rw_triton_row_offsets = _sparse_rw_triton_table_rows = _sparse_rw_triton_d_offsets = _sparse_rw_triton_feature_table_map = all_to_all_1 = cat = None
+        reduce_scatter: "f32[2, 4]" = torch.ops.graphshard.reduce_scatter.default(triton_tbe_lookup, 0, 'dp', 4, 0);  triton_tbe_lookup = None
+        return (reduce_scatter,)
+""")
+
     def test_column_wise(self):
         # the feature goes to both column blocks' ranks; the pooled blocks come back side by side
         text, _ = after_pass([T("a", ["f0"], dim=8)], {"a": column_wise(ranks=[0, 1], compute_kernel=FUSED)})

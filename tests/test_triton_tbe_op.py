@@ -16,8 +16,8 @@ from _triton import import_kernel
 
 import_kernel("triton_tbe_op")
 fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
-FusedTBE, TBESlot = fbgemm_tbe.FusedTBE, fbgemm_tbe.TBESlot
 EmbOptimType = fbgemm_tbe._fbgemm()[0]
+from graphshard.kernels.fused_tbe import FusedTBE, TBESlot  # noqa: E402
 
 SHAPES = [(10, 4), (6, 8)]
 SLOTS = [TBESlot(0, "t0/f0"), TBESlot(0, "t0/f2"), TBESlot(1, "t1/f1")]  # two features share table 0
@@ -58,5 +58,26 @@ def test_triton_kernel_matches_fbgemm_kernel(optimizer, compiled):
 
 def test_triton_kernel_refuses_max_norm():
     fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "max_norm": 1.0}
-    with pytest.raises(NotImplementedError, match="max_norm=1.0: the 'fused_triton' kernel has no max_norm"):
+    with pytest.raises(NotImplementedError, match="max_norm=1.0: graphshard's Triton TBE has no max_norm"):
         FusedTBE(SHAPES, SLOTS, fused_params=fused, row_offsets=[0, 0], kernel="triton")
+
+
+@pytest.mark.parametrize("optimizer", ["EXACT_SGD", "EXACT_ADAGRAD", "EXACT_ROWWISE_ADAGRAD"])
+def test_triton_state_is_fbgemm_layout_without_fbgemm(optimizer):
+    # FusedTBE(kernel="triton") builds its buffers itself (no fbgemm): the same layout, optimizer
+    # settings and defaults as fbgemm's module, so checkpoints and TorchRec's views agree
+    fused = {"optimizer": getattr(EmbOptimType, optimizer), "learning_rate": 0.1}
+    fb = FusedTBE(SHAPES, SLOTS, fused_params=fused, row_offsets=[0, 0])
+    tr = FusedTBE(SHAPES, SLOTS, fused_params=fused, row_offsets=[0, 0], kernel="triton")
+    named = FusedTBE(SHAPES, SLOTS, fused_params={**fused, "optimizer": optimizer.lower()[len("exact_"):]},
+                     row_offsets=[0, 0], kernel="triton")
+    for mine in (tr, named):
+        assert (mine.optimizer, mine.optim_args, mine.total_D) == (fb.optimizer, fb.optim_args, fb.total_D)
+        assert float(mine.lr) == pytest.approx(float(fb.lr))
+        assert mine.weights.shape == fb.weights.shape and mine.momentum.shape == fb.momentum.shape
+        assert torch.count_nonzero(mine.momentum) == 0 == torch.count_nonzero(fb.momentum)
+        for t in range(len(SHAPES)):
+            assert mine.table(t).data_ptr() - mine.weights.data_ptr() == fb.table(t).data_ptr() - fb.weights.data_ptr()
+            if fb.state(t) is not None:
+                assert (mine.state(t).data_ptr() - mine.momentum.data_ptr()
+                        == fb.state(t).data_ptr() - fb.momentum.data_ptr())

@@ -1,9 +1,9 @@
 """``DistributedModelParallel``: TorchRec's DMP API over graphshard's compiler.
 
 The constructor shards each planned ``EmbeddingBagCollection`` and ``EmbeddingCollection`` in
-place (its fused tables
-move into fbgemm TBEs on the ranks that own them; its forward becomes the logical lookup the
-``shard_embeddings`` pass expands), then ``init_data_parallel`` lays the dense parameters
+place (its fused tables move into fused TBEs on the ranks that own them, on ``device``: fbgemm's
+on the CPU, graphshard's Triton TBE on CUDA; its forward becomes the logical lookup the
+``shard_embeddings`` pass expands) and moves the rest of the module to ``device``, then ``init_data_parallel`` lays the dense parameters
 (and data-parallel tables) out with a graphshard ``Plan`` (``Replicate``: DDP's semantics)
 and compiles the whole model as one program with the graphshard backend: the ids'
 all-to-alls, the lookups, the pooled embeddings' distribution and the dense network are one
@@ -33,6 +33,18 @@ from graphshard.sparse.torchrec import collection_layout, install
 from graphshard.storage import shard, state_of
 
 log = logging.getLogger("graphshard.model_parallel")
+
+
+def _device(device) -> torch.device:
+    """TorchRec's ``device`` argument: the CPU (gloo) or a CUDA device (NCCL); a bare "cuda" is this
+    rank's current device, as TorchRec takes it."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device.type != "cpu":
+        raise NotImplementedError(f"device={device}: graphshard's DistributedModelParallel runs on 'cpu' (gloo) or "
+                                  "'cuda' (NCCL)")
+    return device
 
 
 class FullyShardDense:
@@ -95,12 +107,7 @@ class DistributedModelParallel(nn.Module):
                 )
             self._auto, plan = plan, plan.torchrec_plan
         self._env = env if env is not None else ShardingEnv.from_process_group(dist.group.WORLD)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type != "cpu":
-            raise NotImplementedError(
-                f"device={self.device}: graphshard's sharded embeddings run fbgemm's CPU kernels so far; "
-                "use device='cpu' (gloo)"
-            )
+        self.device = _device(device)
         self.init_parameters = init_parameters
         self._dmp_wrapped_module = module
         self._sharders = (list(sharders) if sharders is not None
@@ -136,9 +143,12 @@ class DistributedModelParallel(nn.Module):
             sharder = self._sharder_for(mod)
             fused = _plan.fused_params_of(mod, fqns[0], sharder)
             layout = collection_layout(mod, tuple(fqns), mp, world=world, rank=rank, group=group,
-                                       key=new_key(fqns[0]), hosts=hosts)
+                                       key=new_key(fqns[0]), hosts=hosts, device=self.device.type)
+            if layout.kernel_note:
+                log.warning("DistributedModelParallel: %s", layout.kernel_note)
             self._collections.append(install(mod, layout, fused))
             self._sharded.append(_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
+        module.to(self.device)  # the dense part (the sharded tables are already there, in their TBEs)
         self._sequence = any(c.layout.sequence for c in self._collections)
         self._optim = _state.FusedOptimizer(self._collections)
         self._ddp_wrapped = False
@@ -231,9 +241,10 @@ class DistributedModelParallel(nn.Module):
         return self._optim
 
     def copy(self, device: torch.device) -> "DistributedModelParallel":
-        device = torch.device(device)
+        device = _device(device)
         if device != self.device:
-            raise NotImplementedError(f"copy({device}): graphshard's sharded embeddings run on the CPU only so far")
+            raise NotImplementedError(f"copy({device}): the model is sharded on {self.device}; graphshard does not "
+                                      "move a sharded model to another device")
         return self
 
     def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False) -> dict[str, Any]:

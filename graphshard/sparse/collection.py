@@ -15,7 +15,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from graphshard.kernels.fbgemm_tbe import FusedTBE, TBESlot
+from graphshard.kernels.fused_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
 from graphshard.sparse.sequence import row_starts, sequence_lookup, width_groups
@@ -54,12 +54,13 @@ class NoTables(nn.Module):
     in the group's collectives, so its (empty) pooled output must need a gradient as the other
     ranks' do: its backward then has the same collectives. The token is that gradient's anchor."""
 
-    def __init__(self, fused_params: dict):
+    def __init__(self, fused_params: dict, device: str):
         super().__init__()
-        self.register_buffer("token", torch.zeros(0, requires_grad=True), persistent=False)
-        self.register_buffer("weights", torch.zeros(0), persistent=False)
-        self.register_buffer("momentum", torch.zeros(0), persistent=False)
-        self.register_buffer("lr", torch.tensor(float(fused_params.get("learning_rate", 0.0))), persistent=False)
+        self.register_buffer("token", torch.zeros(0, device=device, requires_grad=True), persistent=False)
+        self.register_buffer("weights", torch.zeros(0, device=device), persistent=False)
+        self.register_buffer("momentum", torch.zeros(0, device=device), persistent=False)
+        self.register_buffer("lr", torch.tensor(float(fused_params.get("learning_rate", 0.0)), device=device),
+                             persistent=False)
 
     def constants(self) -> dict:
         return {}
@@ -99,7 +100,7 @@ class SparseCollection:
         for name, shards in groups.items():
             if not shards:
                 if present[name]:  # the group's collectives run on every rank, this one's lookup is empty
-                    self.tbes[name] = NoTables(self.fused_params)
+                    self.tbes[name] = NoTables(self.fused_params, layout.device)
                 continue
             self.tbes[name] = self._fused(name, shards, weights)
         _COLLECTIONS[layout.key] = self
@@ -108,7 +109,7 @@ class SparseCollection:
         """One group's TBE holding ``shards``, with this rank's pieces of ``weights`` copied in. A
         sequence group's shards (one width) are stacked into one table of the TBE."""
         common = dict(fused_params=self.fused_params, bounds_check=False, grad_scale=1.0 / self.layout.world,
-                      kernel=self.layout.kernel)
+                      kernel=self.layout.kernel, device=self.layout.device)
         if self.layout.sequence:
             starts = row_starts([s for _, s in shards])
             tbe = FusedTBE([(sum(s.rows for _, s in shards), shards[0][1].cols)],
@@ -159,13 +160,14 @@ class SparseCollection:
                 f"{batches}; graphshard merges them into one lookup, which needs equal batch sizes"
             )
         batch = batches[0]
-        parts = [permute_features(values, lengths, weights, keys, features) for values, lengths, weights, keys in uses]
+        kjt = self.layout.kjt_ops
+        parts = [permute_features(values, lengths, weights, keys, features, kjt) for values, lengths, weights, keys in uses]
         n, f = len(parts), len(features)
         lengths2d = torch.cat([p[0] for p in parts])
         values = torch.cat([p[1] for p in parts])
         weights = torch.cat([p[2] for p in parts]) if self.layout.weighted else None
         # rows (use, feature) -> (feature, use): each feature's bags are the uses' batches in turn
-        merged = permute_rows([u * f + i for i in range(f) for u in range(n)], lengths2d, values, weights)
+        merged = permute_rows([u * f + i for i in range(f) for u in range(n)], lengths2d, values, weights, kjt=kjt)
         out = self.run(merged[1], merged[0].reshape(-1), merged[2], state, features, constants)
         if not self.layout.sequence:
             return list(out.split(batch))

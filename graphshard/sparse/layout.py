@@ -129,6 +129,15 @@ class CollectionLayout:
     dp_gathered: bool = False  # data-parallel tables look up every rank's bags (program._gathered_bags)
     attr: str = "embedding_bags"  # the module's table container, as the state dict names it
     kernel: str = "fbgemm"  # the sharded tables' TBE kernel: fbgemm's ('fused') or graphshard's Triton ('fused_triton')
+    device: str = "cpu"  # the device type the tables and the ids live on
+    kernel_note: str = ""  # why ``kernel`` is not the one the plan asked for (logged; listed by explain)
+
+    @property
+    def kjt_ops(self):
+        """The program's KJT ops: fbgemm's beside fbgemm's TBE, graphshard's torch ones beside the Triton TBE."""
+        from graphshard.sparse.kjt_ops import kjt_ops
+
+        return kjt_ops(self.kernel)
 
     @property
     def hosts(self) -> int:
@@ -159,6 +168,15 @@ class CollectionLayout:
                     "are sharded table_wise, column_wise, row_wise or data_parallel (as TorchRec's sharder allows)"
                 )
             t.check(self.world, self.local_world)
+            if self.kernel == "fbgemm" and t.fused:
+                widths = sorted({s.cols for s in t.shards})
+                if any(w % 4 for w in widths):
+                    raise ValueError(
+                        f"{self.fqns[0]}: table {t.name!r} is {t.sharding_type} in shards {widths} wide; fbgemm's "
+                        "TBE (compute_kernel 'fused') needs widths that are multiples of 4. Use graphshard's Triton "
+                        "TBE, which takes any width (compute_kernel='fused_triton'; ShardEmbedding(kernel='triton')), "
+                        "or a column split into multiples of 4"
+                    )
             for f in t.features:
                 if f in seen:
                     raise ValueError(

@@ -11,19 +11,23 @@ which the plan's unit specs lay out like any dense one.
 
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 import torch.nn as nn
 
+from graphshard.kernels.fused_tbe import choose_kernel
 from graphshard.plan import Plan, ShardEmbedding, fqn_match
 from graphshard.sparse.collection import SparseCollection, new_key
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
 from graphshard.sparse.program import group_state
 
-_OPTIMIZERS = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
-"""``ShardEmbedding.optimizer`` -> fbgemm's ``EmbOptimType`` member."""
+log = logging.getLogger("graphshard.sparse")
+
+_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+"""``ShardEmbedding.optimizer``: fbgemm's EXACT_SGD, EXACT_ADAGRAD, EXACT_ROWWISE_ADAGRAD."""
 
 
 def shard_plan_embeddings(model: nn.Module, plan: Plan) -> list[SparseCollection]:
@@ -99,9 +103,11 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
         if getattr(mod, attr) is not None:
             raise NotImplementedError(f"{fqn}: nn.EmbeddingBag({attr}={getattr(mod, attr)}) is not supported sharded")
     if spec.optimizer not in _OPTIMIZERS:
-        raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {tuple(_OPTIMIZERS)}")
-    if spec.kernel not in ("fbgemm", "triton"):
-        raise ValueError(f"{fqn}: ShardEmbedding kernel {spec.kernel!r}; expected 'fbgemm' or 'triton'")
+        raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {_OPTIMIZERS}")
+    if spec.kernel not in ("auto", "fbgemm", "triton"):
+        raise ValueError(f"{fqn}: ShardEmbedding kernel {spec.kernel!r}; expected 'auto', 'fbgemm' or 'triton'")
+    device = plan.mesh.device_type
+    kernel, note = choose_kernel(spec.kernel, device, fqn)
     axis = _axis(plan, spec, fqn)
     group = plan.group(axis)
     import torch.distributed as dist
@@ -114,11 +120,10 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
     layout = CollectionLayout(key=new_key(fqn), fqns=(fqn,), tables=(table,), weighted=False, world=world,
                               rank=rank, group=group.group_name,
                               global_ranks=tuple(dist.get_process_group_ranks(group)),
-                              all_groups=_axis_groups(plan, axis), kernel=spec.kernel)
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-
-    fused = {"optimizer": getattr(EmbOptimType, _OPTIMIZERS[spec.optimizer]), "learning_rate": spec.learning_rate,
-             "eps": spec.eps}
+                              all_groups=_axis_groups(plan, axis), kernel=kernel, device=device)
+    if table.fused and kernel != spec.kernel:
+        log.info("%s: ShardEmbedding kernel %r runs the %s TBE on %s", fqn, spec.kernel, kernel, device)
+    fused = {"optimizer": spec.optimizer, "learning_rate": spec.learning_rate, "eps": spec.eps}
     dp = {table.name: mod.weight} if not table.fused else {}
     coll = SparseCollection(layout, {table.name: mod.weight.detach()}, dp, fused)
     if table.fused:

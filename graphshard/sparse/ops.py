@@ -92,7 +92,7 @@ def _in_range(ids: torch.Tensor, limit: int) -> bool:
 
 
 def _check_ids_eager(values, lengths, limits, names):
-    from graphshard.kernels.fbgemm_tbe import first_out_of_range
+    from graphshard.kernels.fused_tbe import first_out_of_range
 
     # the common case, all ids in range, costs one min/max pass per feature (one in all where the
     # tables have the same rows); only a failed check locates the offending id

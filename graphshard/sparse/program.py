@@ -5,12 +5,14 @@ pass into the compiled program, where every step is a graph node:
 
 - *input distribution*: the local batch's ids (a KJT: ``lengths`` per feature and sample,
   ``values``) go to the ranks that own their rows. Table- and column-wise features are
-  selected per destination (``fbgemm::permute_2D_sparse_data``); row-wise ids are bucketized
-  by row block (``fbgemm::block_bucketize_sparse_features``, ids made local to the block).
+  selected per destination (``permute``); row-wise ids are bucketized by row block
+  (``bucketize``, ids made local to the block): fbgemm's ops beside fbgemm's TBE, graphshard's
+  torch ones beside the Triton TBE (``kjt_ops.py``).
   Lengths go by an all-to-all of static sizes; their sums give the sizes of the ids'
   all-to-all (data-dependent: ``.tolist()`` in the program, unbacked sizes in the graph).
   Received ids are regrouped feature-major over the world's batch ("recat").
-- *lookup*: one fused TBE per rank and group (``graphshard::tbe_lookup``), pooled by sum;
+- *lookup*: one fused TBE per rank and group (``graphshard::tbe_lookup`` or
+  ``graphshard::triton_tbe_lookup``), pooled by sum;
   data-parallel tables by ``embedding_bag`` on the replicated weight (under DMP: every rank's
   bags on every rank, so the table's gradient is whole everywhere and needs no all-reduce).
 - *output distribution*: pooled rows go back to the rank whose sample they are, by an
@@ -28,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from graphshard.kernels.fbgemm_tbe import FusedTBE
+from graphshard.kernels.fused_tbe import FusedTBE
 from graphshard.ops import ops
+from graphshard.sparse.kjt_ops import KJTOps
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
 
@@ -98,20 +101,20 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     return LocalPlan(a2a_slots, rw, dp, twrw_features=twrw, twrw_by_host=by_host, columns=columns)
 
 
-def permute_features(values, lengths, weights, keys: list[str], features: list[str]):
+def permute_features(values, lengths, weights, keys: list[str], features: list[str], kjt: KJTOps):
     """A KJT's (values, lengths, weights) with ``keys`` -> its ``features`` only, in that order:
     (lengths ``[len(features), batch]``, values, weights)."""
     kpos = {k: i for i, k in enumerate(keys)}
-    return permute_rows([kpos[f] for f in features], lengths.view(len(keys), -1), values, weights)
+    return permute_rows([kpos[f] for f in features], lengths.view(len(keys), -1), values, weights, kjt=kjt)
 
 
-def permute_rows(rows: list[int], lengths2d, values, weights, total=None):
+def permute_rows(rows: list[int], lengths2d, values, weights, total=None, *, kjt: KJTOps):
     """The KJT's features ``rows`` (repeats allowed), in that order. ``total``: the selected ids'
     count where the caller knows it (keeps the traced sizes one expression, not a new unknown)."""
     if rows == list(range(lengths2d.shape[0])):
         return lengths2d, values, weights
     index = torch.tensor(rows, dtype=torch.int32, device=lengths2d.device)
-    out = torch.ops.fbgemm.permute_2D_sparse_data(index, lengths2d, values, weights, total)
+    out = kjt.permute(index, lengths2d, values, weights, total)
     return out[0], out[1], out[2]
 
 
@@ -135,7 +138,8 @@ def send_ids(lengths2d, values, weights, send: list[int], recv_features: int, ba
     return recv_lengths, recv_values, recv_weights, in_splits, out_splits
 
 
-def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int):
+def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int,
+              kjt: KJTOps):
     """``send_ids``, the received features regrouped feature-major over the world's batch (each
     feature's bags: rank 0's samples, rank 1's, ...), as a pooled TBE reads them."""
     recv_lengths, recv_values, recv_weights, _, _ = send_ids(lengths2d, values, weights, send, recv_features, batch,
@@ -143,11 +147,12 @@ def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, b
     if recv_features == 0:
         return recv_lengths, recv_values, recv_weights
     recat = [s * recv_features + j for j in range(recv_features) for s in range(world)]
-    lengths, values, weights = permute_rows(recat, recv_lengths.view(world * recv_features, batch), recv_values, recv_weights)
+    lengths, values, weights = permute_rows(recat, recv_lengths.view(world * recv_features, batch), recv_values,
+                                            recv_weights, kjt=kjt)
     return lengths.reshape(-1), values, weights
 
 
-def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dtype):
+def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dtype, kjt: KJTOps):
     if not isinstance(tbe, FusedTBE):
         # no table of this group here: an empty output that reads what the collectives delivered
         # (so none of them is dead code on this rank alone) and needs a gradient (so the backward
@@ -156,7 +161,7 @@ def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dt
         if weights is not None:
             empty = empty + weights[:0].to(dtype)
         return empty.view(bags, 0)
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(lengths)
+    offsets = kjt.offsets(lengths)
     token, w, momentum, lr = state
     return tbe.lookup_with(token, w, momentum, lr, values, offsets, weights, constants)
 
@@ -201,13 +206,12 @@ def check_ids(layout: CollectionLayout, keys: list[str], values, lengths):
     return sparse_ops.check_ids(values, lengths, limits, "\n".join(names))
 
 
-def _bucketize(rows: list[int], lengths2d, values, weights, blocks: list[int], buckets: int):
+def _bucketize(rows: list[int], lengths2d, values, weights, blocks: list[int], buckets: int, kjt: KJTOps):
     """The features ``rows`` of a KJT, each id bucketized by row block (``blocks[i]`` rows per block
     for feature ``i``; ids made local to their block): lengths ``[buckets * len(rows), batch]``."""
-    l2d, v, w = permute_rows(rows, lengths2d, values, weights)
+    l2d, v, w = permute_rows(rows, lengths2d, values, weights, kjt=kjt)
     sizes = torch.tensor(blocks, dtype=l2d.dtype, device=l2d.device)
-    bl, bv, bw, _, _ = torch.ops.fbgemm.block_bucketize_sparse_features(l2d.reshape(-1), v, False, False, sizes,
-                                                                        buckets, w)
+    bl, bv, bw, _ = kjt.bucketize(l2d.reshape(-1), v, sizes, buckets, w)
     return bl.view(buckets * len(rows), lengths2d.shape[1]), bv, bw
 
 
@@ -216,7 +220,7 @@ def _blocks(back: torch.Tensor, batch: int, widths: list[int]) -> list[torch.Ten
     return [b.view(batch, wd) for b, wd in zip(back.split([batch * wd for wd in widths]), widths) if wd]
 
 
-def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values, weights, batch, dtype):
+def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values, weights, batch, dtype, kjt):
     """Table-row-wise: each feature's ids bucketized by row block within its table's host and sent
     to that host's ranks (one all-to-all over the world); each rank sums its blocks' rows; the
     partial sums are reduce-scattered within the host (each local rank gets the rows of the
@@ -226,15 +230,15 @@ def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values
     feats = plan.twrw_features
     n = len(feats)
     bl, bv, bw = _bucketize([kpos[f] for _, f in feats], lengths2d, values, weights, [t.row_block for t, _ in feats],
-                            local)
+                            local, kjt)
     # to rank (host h, local index l): bucket l of the features whose table lives on host h
     send_rows = [d % local * n + i for d in range(world) for i in plan.twrw_by_host[d // local]]
-    sl, sv, sw = permute_rows(send_rows, bl, bv, bw)
+    sl, sv, sw = permute_rows(send_rows, bl, bv, bw, kjt=kjt)
     send = [len(plan.twrw_by_host[d // local]) for d in range(world)]
     my_host, my_local = divmod(layout.rank, local)
     mine = len(plan.twrw_by_host[my_host])
-    rl, rv, rw = _exchange(sl, sv, sw, send, mine, batch, layout.group, world)
-    partial = _lookup(tbe, state, constants, rl, rv, rw, world * batch, dtype)  # rows: source rank, then sample
+    rl, rv, rw = _exchange(sl, sv, sw, send, mine, batch, layout.group, world, kjt)
+    partial = _lookup(tbe, state, constants, rl, rv, rw, world * batch, dtype, kjt)  # rows: source rank, then sample
     width = partial.shape[1]
     # rows grouped by the sources' local index, so the host's reduce-scatter hands local rank l
     # the sums for the sources (h', l) of every host h'
@@ -249,7 +253,7 @@ def _table_row_wise(layout, plan, tbe, state, constants, kpos, lengths2d, values
     return _blocks(back, batch, widths)
 
 
-def _gathered_bags(lengths2d, values, weights, table, group: str, world: int, rank: int):
+def _gathered_bags(lengths2d, values, weights, table, group: str, world: int, rank: int, kjt: KJTOps):
     """A data-parallel table's pooled bags of this rank (``[features * batch, dim]``), computed so
     that the table's gradient needs no reduction: every rank's ids are gathered (an all-gather of
     the lengths, an all-to-all of the ids), every rank looks up every rank's bags, keeps its own
@@ -263,7 +267,7 @@ def _gathered_bags(lengths2d, values, weights, table, group: str, world: int, ra
     counts = all_lengths.view(world, -1).sum(1).tolist()
     all_values = ops.all_to_all(values.repeat(world), counts, [n] * world, group)
     all_weights = ops.all_to_all(weights.repeat(world), counts, [n] * world, group) if weights is not None else None
-    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(all_lengths)
+    offsets = kjt.offsets(all_lengths)
     pooled = F.embedding_bag(all_values, table, offsets, mode="sum", per_sample_weights=all_weights,
                              include_last_offset=True)  # [world * features * batch, dim], rank-major
     mine = ops.shard(pooled, 0, group, world, rank)
@@ -283,39 +287,40 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     """
     constants = constants or {}
     world, rank, group = layout.world, layout.rank, layout.group
+    kjt = layout.kjt_ops
     kpos, batch, lengths2d, values = read_kjt(layout, keys, values, lengths, bounds_check)
     parts = []
     per_group, dp_weights = split_state(tbes, state)
 
     if any(plan.a2a_slots):
         send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]
-        l2d, v, w = permute_rows(send_rows, lengths2d, values, weights)
+        l2d, v, w = permute_rows(send_rows, lengths2d, values, weights, kjt=kjt)
         mine = plan.a2a_slots[rank]
-        rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world)
-        pooled = _lookup(tbes["a2a"], per_group["a2a"], constants.get("a2a"), rl, rv, rw, world * batch, dtype)
+        rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world, kjt)
+        pooled = _lookup(tbes["a2a"], per_group["a2a"], constants.get("a2a"), rl, rv, rw, world * batch, dtype, kjt)
         widths = [sum(s.shard.cols for s in slots) for slots in plan.a2a_slots]
         back = ops.all_to_all(pooled.reshape(-1), [batch * d for d in widths], [batch * pooled.shape[1]] * world, group)
         parts.extend(_blocks(back, batch, widths))
 
     if plan.rw_features:
         bl, bv, bw = _bucketize([kpos[f] for _, f in plan.rw_features], lengths2d, values, weights,
-                                [t.row_block for t, _ in plan.rw_features], world)
+                                [t.row_block for t, _ in plan.rw_features], world, kjt)
         n = len(plan.rw_features)
-        rl, rv, rw = _exchange(bl, bv, bw, [n] * world, n, batch, group, world)
-        partial = _lookup(tbes["rw"], per_group["rw"], constants.get("rw"), rl, rv, rw, world * batch, dtype)
+        rl, rv, rw = _exchange(bl, bv, bw, [n] * world, n, batch, group, world, kjt)
+        partial = _lookup(tbes["rw"], per_group["rw"], constants.get("rw"), rl, rv, rw, world * batch, dtype, kjt)
         parts.append(ops.reduce_scatter(partial, 0, group, world, rank))
 
     if plan.twrw_features:
         parts.extend(_table_row_wise(layout, plan, tbes["twrw"], per_group["twrw"], constants.get("twrw"), kpos,
-                                     lengths2d, values, weights, batch, dtype))
+                                     lengths2d, values, weights, batch, dtype, kjt))
 
     for t, weight in zip(plan.dp_tables, dp_weights):
         rows = [kpos[f] for f in t.features]
-        l2d, v, w = permute_rows(rows, lengths2d, values, weights)
+        l2d, v, w = permute_rows(rows, lengths2d, values, weights, kjt=kjt)
         if layout.dp_gathered:
-            pooled = _gathered_bags(l2d, v, w, weight, group, world, rank)
+            pooled = _gathered_bags(l2d, v, w, weight, group, world, rank, kjt)
         else:
-            offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(l2d.reshape(-1))
+            offsets = kjt.offsets(l2d.reshape(-1))
             pooled = F.embedding_bag(v, weight, offsets, mode="sum", per_sample_weights=w, include_last_offset=True)
         parts.append(pooled.view(len(t.features), batch, t.embedding_dim).transpose(0, 1)
                      .reshape(batch, len(t.features) * t.embedding_dim).to(dtype))

@@ -5,8 +5,8 @@ not one pooled row per sample. The program has the pooled one's shape (``program
 
 - *input distribution*: as pooled. Table- and column-wise features go to their owners by an
   all-to-all, grouped by the shards' width (each width group is its own exchange and lookup);
-  row-wise ids are bucketized by row block (``block_bucketize_sparse_features`` with
-  ``sequence=True``, which also gives the permutation back to the ids' order).
+  row-wise ids are bucketized by row block (``bucketize`` with ``sequence=True``, which also
+  gives the permutation back to the ids' order).
 - *lookup*: the received ids in the order they arrived (source rank, then feature, then
   sample), each id its own bag of a pooled TBE over one table: the rank's table shards of the
   group stacked (they share the width), ids made row indices of the stack by adding their
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from graphshard.kernels.fbgemm_tbe import FusedTBE
+from graphshard.kernels.fused_tbe import FusedTBE
 from graphshard.ops import ops
 from graphshard.sparse.layout import CollectionLayout
 from graphshard.sparse.program import LocalPlan, Slot, permute_rows, read_kjt, send_ids, split_state
@@ -91,6 +91,7 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
     collection's feature order; with ``need_indices``, then each feature's ids."""
     constants = constants or {}
     world, rank, group = layout.world, layout.rank, layout.group
+    kjt = layout.kjt_ops
     kpos, batch, lengths2d, values = read_kjt(layout, keys, values, lengths, bounds_check)
     counts = lengths2d.sum(1).tolist()  # ids per feature: the program's one host sync of its own
     for c in counts:
@@ -102,7 +103,7 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
     def select(features: list[str]):
         rows = [kpos[f] for f in features]
         sizes = [counts[r] for r in rows]
-        l2d, v, _ = permute_rows(rows, lengths2d, values, None, sum(sizes))
+        l2d, v, _ = permute_rows(rows, lengths2d, values, None, sum(sizes), kjt=kjt)
         return l2d, v, sizes
 
     for g in width_groups(plan):
@@ -124,8 +125,7 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
         n = len(feats)
         l2d, v, sizes = select([f for _, f in feats])
         block = torch.tensor([t.row_block for t, _ in feats], dtype=l2d.dtype, device=l2d.device)
-        bl, bv, _, _, unbucketize = torch.ops.fbgemm.block_bucketize_sparse_features(
-            l2d.reshape(-1), v, False, True, block, world, None)
+        bl, bv, _, unbucketize = kjt.bucketize(l2d.reshape(-1), v, block, world, None, sequence=True)
         rl, rv, _, in_splits, out_splits = send_ids(bl.view(world * n, batch), bv, None, [n] * world, n, batch, group,
                                                     world)
         mine = [Slot(t, t.shard_on(rank)[0], f) for t, f in feats]

@@ -61,11 +61,12 @@ def _table_mesh(coll, ranks) -> DeviceMesh:
     group along the axis has its own such mesh; each rank creates all of them, in the same order
     (creating a mesh creates process groups, which every rank must do together), and uses its own."""
     groups = coll.layout.all_groups
+    device = coll.layout.device
     if groups is None:
-        return _mesh("cpu", _global(coll, ranks))
+        return _mesh(device, _global(coll, ranks))
     mine = None
     for g in groups:
-        mesh = _mesh("cpu", tuple(g[r] for r in ranks))
+        mesh = _mesh(device, tuple(g[r] for r in ranks))
         if tuple(g) == tuple(coll.layout.global_ranks):
             mine = mesh
     return mine
@@ -75,7 +76,7 @@ def _dtensor(coll, table: str, ranks, placements) -> DTensor:
     t = coll.table(table)
     mesh = _table_mesh(coll, ranks)
     pieces = coll.local_pieces(table)
-    local = pieces[0][1] if pieces else torch.empty(0, t.embedding_dim)
+    local = pieces[0][1] if pieces else torch.empty(0, t.embedding_dim, device=coll.layout.device)
     return DTensor.from_local(local, mesh, placements, run_check=False,
                               shape=torch.Size((t.num_embeddings, t.embedding_dim)),
                               stride=(t.embedding_dim, 1))
@@ -85,8 +86,9 @@ def _gather_sharded_tensor(value) -> torch.Tensor:
     """A TorchRec ``ShardedTensor`` (its state dict's table) as the full table on every rank."""
     import torch.distributed as dist
 
-    full = torch.zeros(value.size(), dtype=value.dtype)
-    for s in value.local_shards():
+    shards = value.local_shards()
+    full = torch.zeros(value.size(), dtype=value.dtype, device=shards[0].tensor.device if shards else None)
+    for s in shards:
         (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
         full[r:r + nr, c:c + nc] = s.tensor
     dist.all_reduce(full)  # every element is in exactly one rank's shard
@@ -150,14 +152,17 @@ def _state_layout(coll, table: str, ranks, placements):
     kind = coll.fused()[0].optimizer if coll.fused() else None
     pieces = coll.local_state(table)
     local = pieces[0][1] if pieces else None
+    device = coll.layout.device
     if kind == "rowwise_adagrad":
         if t.sharding_type == "column_wise":
             blocks = len(t.shards)
-            shape, local = (t.num_embeddings, blocks), (local.view(-1, 1) if local is not None else torch.empty(0, 0))
+            shape = (t.num_embeddings, blocks)
+            local = local.view(-1, 1) if local is not None else torch.empty(0, 0, device=device)
         else:
-            shape, local = (t.num_embeddings,), (local if local is not None else torch.empty(0))
+            shape, local = (t.num_embeddings,), (local if local is not None else torch.empty(0, device=device))
     else:
-        shape, local = (t.num_embeddings, t.embedding_dim), (local if local is not None else torch.empty(0, t.embedding_dim))
+        shape = (t.num_embeddings, t.embedding_dim)
+        local = local if local is not None else torch.empty(0, t.embedding_dim, device=device)
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, _table_mesh(coll, ranks), placements, run_check=False, shape=torch.Size(shape),
                               stride=stride)

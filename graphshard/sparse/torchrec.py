@@ -18,6 +18,7 @@ import types
 import torch
 import torch.nn as nn
 
+from graphshard.kernels.fused_tbe import choose_kernel
 from graphshard.sparse.collection import SparseCollection
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.ops import ops as sparse_ops
@@ -33,8 +34,9 @@ def is_sequence(module: nn.Module) -> bool:
     return isinstance(module, EmbeddingCollection)
 
 
-_KERNELS = {"fused": "fbgemm", "fused_triton": "triton"}
-"""TorchRec's compute kernels graphshard runs on sharded tables -> ``FusedTBE``'s kernel."""
+_KERNELS = {"fused": "fused", "fused_triton": "triton"}
+"""TorchRec's compute kernels graphshard runs on sharded tables -> the kernel asked of ``choose_kernel``
+("fused": fbgemm's TBE where it runs, else graphshard's Triton TBE)."""
 
 
 def table_configs(module: nn.Module) -> list:
@@ -43,8 +45,9 @@ def table_configs(module: nn.Module) -> list:
 
 
 def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dict, *, world: int, rank: int,
-                      group: str, key: str, hosts: tuple | None = None) -> CollectionLayout:
-    """``module_plan``: table name -> TorchRec ``ParameterSharding``. Every table needs an entry."""
+                      group: str, key: str, hosts: tuple | None = None, device: str = "cpu") -> CollectionLayout:
+    """``module_plan``: table name -> TorchRec ``ParameterSharding``. Every table needs an entry.
+    ``device``: the device type the tables live on (it decides what the 'fused' kernel runs)."""
     configs = table_configs(module)
     sequence = is_sequence(module)
     names = [c.name for c in configs]
@@ -91,11 +94,13 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
         tables.append(TableLayout(c.name, c.num_embeddings, c.embedding_dim, tuple(c.feature_names), pooling, st, shards))
     if len(kernels) > 1:
         raise NotImplementedError(
-            f"{fqns[0]}: tables {kernels.get('fbgemm')} use compute kernel 'fused' and {kernels.get('triton')} "
+            f"{fqns[0]}: tables {kernels.get('fused')} use compute kernel 'fused' and {kernels.get('triton')} "
             "'fused_triton'; a module's sharded tables share one kernel: give them the same compute_kernel"
         )
+    kernel, note = choose_kernel(next(iter(kernels), "fused"), device, fqns[0])
     local_world, host_group, cross_group = hosts or (None, None, None)
-    return CollectionLayout(kernel=next(iter(kernels), "fbgemm"), key=key, fqns=fqns, tables=tuple(tables),
+    return CollectionLayout(kernel=kernel, device=device, kernel_note=note if kernels else "", key=key, fqns=fqns,
+                            tables=tuple(tables),
                             weighted=False if sequence else bool(module.is_weighted()), world=world, rank=rank,
                             group=group, local_world=local_world, host_group=host_group, cross_group=cross_group,
                             sequence=sequence, attr="embeddings" if sequence else "embedding_bags",

@@ -1,10 +1,13 @@
 """``ShardEmbedding`` plan specs on plain ``nn.EmbeddingBag`` modules:
 ``torchrun --nproc-per-node N tests/workers/embedding_plan.py CASE [CASE ...]``.
 
-CASE is ``mesh:optimizer``: ``dp`` (a 1-D mesh; the dense layers FullyShard), ``dp_tp`` (a
+CASE is ``mesh:optimizer[:flag ...]``: ``dp`` (a 1-D mesh; the dense layers FullyShard), ``dp_tp`` (a
 2 x 2 mesh; the MLP tensor-parallel on "tp", FullyShard on "dp") or ``auto`` (a 1-D mesh, the
 plan from ``graphshard.auto_plan`` in a small memory budget), ``optimizer`` sgd |
-rowwise_adagrad. Four bags: row-wise (1-D ids with offsets), table-wise on rank 1 (mean), column-wise,
+rowwise_adagrad; flags ``triton`` (the tables on graphshard's Triton TBE), ``cw12`` (the
+column-wise table 12 wide: shards 6 wide on 2 ranks, which fbgemm's TBE cannot hold),
+``nofbgemm`` (``fbgemm_gpu`` cannot be imported in this process: the whole program runs without
+it; give such a case a job of its own). Four bags: row-wise (1-D ids with offsets), table-wise on rank 1 (mean), column-wise,
 data-parallel (2-D ids), over the "dp" axis. The model trains 4 steps with
 ``graphshard.compile`` and in one process on the global batch (dense parameters and the
 data-parallel table: SGD; sharded tables: the fused optimizer's update written in torch, on the
@@ -22,8 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from _runner import run_cases
-from dmp import _full as _full_1d  # a state-dict entry as the full tensor on every rank (1-D meshes)
+if any("nofbgemm" in case for case in sys.argv[1:]):
+    sys.modules["fbgemm_gpu"] = None  # `import fbgemm_gpu` raises ImportError from here on
+
+from _runner import run_cases  # noqa: E402
+from dmp import _full as _full_1d  # noqa: E402  # a state-dict entry as the full tensor on every rank (1-D meshes)
 
 
 def _full(v, copies: int = 1):
@@ -40,14 +46,14 @@ SHARDED = {"emb_rw": "row_wise", "emb_tw": "table_wise", "emb_cw": "column_wise"
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, cw_dim: int = 8):
         super().__init__()
         torch.manual_seed(0)
         self.emb_rw = nn.EmbeddingBag(50, 8, mode="sum")
         self.emb_tw = nn.EmbeddingBag(30, 8, mode="mean")
-        self.emb_cw = nn.EmbeddingBag(24, 8, mode="sum")
+        self.emb_cw = nn.EmbeddingBag(24, cw_dim, mode="sum")
         self.emb_dp = nn.EmbeddingBag(12, 8, mode="sum")
-        self.up = nn.Linear(32, 16)
+        self.up = nn.Linear(24 + cw_dim, 16)
         self.down = nn.Linear(16, 1)
 
     def forward(self, ids_rw, offsets_rw, ids_tw, ids_cw, ids_dp):
@@ -92,7 +98,9 @@ def reference(base, optimizer: str, world: int, sharded: dict | None = None) -> 
             for name, p in ref.named_parameters():
                 mod = name.split(".")[0]
                 if sharded.get(mod, "data_parallel") != "data_parallel" and optimizer == "rowwise_adagrad":
-                    blocks = [(0, 8)] if sharded[mod] != "column_wise" else [(c * 8 // world, 8 // world) for c in range(world)]
+                    dim = p.shape[1]
+                    blocks = ([(0, dim)] if sharded[mod] != "column_wise"
+                              else [(c * dim // world, dim // world) for c in range(world)])
                     for c0, nc in blocks:
                         g, w = p.grad[:, c0:c0 + nc], p[:, c0:c0 + nc]
                         st = state.setdefault((name, c0), torch.zeros(p.shape[0]))
@@ -112,7 +120,7 @@ def run(case: str) -> dict:
 
     mesh_kind, optimizer, *flags = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = Net()
+    base = Net(cw_dim=12 if "cw12" in flags else 8)
     model = copy.deepcopy(base)
     kw = dict(optimizer=optimizer, learning_rate=LR, eps=EPS)
     if "triton" in flags:  # graphshard's Triton TBE (under Triton's interpreter on the CPU)
@@ -153,7 +161,8 @@ def run(case: str) -> dict:
             "notes": list(plan.notes),
             "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
             "params": {k: float((state[k] - ref_state[k]).abs().max()) for k in ref_state if k in state},
-            "explain": graphshard.explain(model) if rank == 0 else ""}
+            "explain": graphshard.explain(model) if rank == 0 else "",
+            "fbgemm_loaded": sys.modules.get("fbgemm_gpu") is not None or hasattr(torch.ops.fbgemm, "permute_2D_sparse_data")}
 
 
 if __name__ == "__main__":
