@@ -106,7 +106,9 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 "graphshard.fsdp: CPUOffload(offload_params=True) on a GPU mesh is not supported yet (sharded "
                 "parameters stay on the device); drop cpu_offload, or shard over more ranks to fit the model"
             )
-        _materialize(module, param_init_fn, mesh.device_type, ignored[0])
+        device = _compute_device(mesh.device_type, device_id)
+        _materialize(module, param_init_fn, device, ignored[0])
+        _move_to(module, device, ignored)  # as torch's FSDP moves the module to device_id: parameters and buffers
         if sync_module_states:
             _broadcast_from_rank0(module, ignored)
         _original_state_dict_keys = list(module.state_dict().keys())
@@ -493,11 +495,44 @@ def _local_world_size() -> int:
 
 
 def _device_type(device_id) -> str:
-    if device_id is None:
-        return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    if device_id is None:  # NCCL, alone or as the CUDA backend of a "cpu:gloo,cuda:nccl" group
+        backend = str(dist.get_backend())
+        return "cuda" if torch.cuda.is_available() and (backend == "nccl" or "cuda:nccl" in backend) else "cpu"
     if isinstance(device_id, int):
         return "cuda"
     return torch.device(device_id).type
+
+
+def _compute_device(device_type: str, device_id) -> torch.device:
+    """The device the shards live on: the CPU, or the current CUDA device, which ``device_id`` (an
+    int or a CUDA device) must name when given."""
+    if device_type != "cuda":
+        return torch.device(device_type)
+    current = torch.device("cuda", torch.cuda.current_device())
+    if device_id is not None:
+        wanted = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if wanted.index is not None and wanted != current:
+            raise ValueError(
+                f"device_id={device_id!r} is not the current CUDA device ({current}); graphshard places the shards "
+                f"on the current device: call torch.cuda.set_device({wanted.index}) before wrapping (or pass "
+                "device_id=torch.cuda.current_device())"
+            )
+    return current
+
+
+def _move_to(module: nn.Module, device: torch.device, ignored: tuple[set, set]) -> None:
+    """The managed modules' parameters and buffers on ``device`` (ignored modules and parameters stay)."""
+    skip = {m for top in ignored[0] for m in top.modules()}
+    with torch.no_grad():
+        for m in module.modules():
+            if m in skip:
+                continue
+            for p in m.parameters(recurse=False):
+                if p not in ignored[1] and p.device != device:
+                    p.data = p.data.to(device)
+            for name, b in m._buffers.items():
+                if b is not None and b.device != device:
+                    m._buffers[name] = b.to(device)
 
 
 def _keep_grad_in(dtype: torch.dtype, flat_param: nn.Parameter) -> None:
@@ -581,7 +616,7 @@ def _floating_dtype(tree) -> torch.dtype | None:
     return leaves[0].dtype if leaves else None
 
 
-def _materialize(module: nn.Module, param_init_fn, device_type: str, ignored: set) -> None:
+def _materialize(module: nn.Module, param_init_fn, device: torch.device, ignored: set) -> None:
     """Meta-device modules: ``param_init_fn`` on each module holding meta tensors, else
     ``to_empty`` + ``reset_parameters`` per module, children never re-initialized; ignored
     modules are left as they are (as torch's FSDP)."""
@@ -599,7 +634,7 @@ def _materialize(module: nn.Module, param_init_fn, device_type: str, ignored: se
         if param_init_fn is not None:
             param_init_fn(m)
             continue
-        m.to_empty(device=device_type, recurse=False)
+        m.to_empty(device=device, recurse=False)
         reset = getattr(m, "reset_parameters", None)
         if not callable(reset):
             raise ValueError(f"module {type(m).__name__} is on the meta device and has no reset_parameters(); "
