@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import torchrun
+pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says when it is skipped)
+
+from _launch import torchrun  # noqa: E402
 
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
