@@ -48,7 +48,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, self.n_heads, self.head_dim).transpose(1, 2)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1)
+        mask = torch.full((seqlen, seqlen), float("-inf"), device=x.device).triu(1).to(scores.dtype)  # bf16 scores: a bf16 mask
         attn = F.softmax(scores + mask, dim=-1)
         out = (attn @ v).transpose(1, 2).reshape(bsz, seqlen, -1 if self.n_heads == -1 else self.n_heads * self.head_dim)
         return self.wo(out)
