@@ -88,6 +88,10 @@ def _import_fbgemm():
                 BoundsCheckMode=BoundsCheckMode, version=getattr(fbgemm_gpu, "__version__", "?")), None
 
 
+WEIGHT_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+"""``--dtype`` names -> torch dtypes (bf16 is for callers such as ``scripts/gpu_check``; the CLI takes fp32, fp16)."""
+
+
 class Case:
     """One (tables x rows, dim, pooling) configuration: the Triton TBE's tensors and fbgemm's module,
     holding the same weights, and one batch of ids."""
@@ -97,7 +101,7 @@ class Case:
 
         self.torch, self.tbe, self.fb = torch, tbe, fb
         self.rows, self.dim, self.pooling, self.batch, self.tables = rows, dim, pooling, args.batch, args.tables
-        dtype = {"fp32": torch.float32, "fp16": torch.float16}[args.dtype]
+        dtype = getattr(torch, WEIGHT_DTYPES[args.dtype])
         self.layout = tbe.TBELayout.create([(rows, dim)] * self.tables, list(range(self.tables)), device=device)
         self.optimizer = tbe.TBEOptimizer(kind="rowwise_adagrad", learning_rate=args.lr, eps=1e-8)
         gen = torch.Generator(device=device).manual_seed(0)
@@ -162,6 +166,19 @@ class Case:
         return {"forward_max_abs_err": fwd_err, "weights_max_abs_err": w_err, "state_max_abs_err": s_err}
 
 
+def traffic(case: Case) -> dict:
+    """The bytes every bandwidth figure here counts, for one forward and one fused step of ``case``:
+    the forward reads each id's row (weights' dtype) and writes the fp32 ``[B, total_D]`` output; the
+    step adds the backward, which reads the fp32 gradient row of each id, then reads and writes each
+    unique (table, row) once with its row-wise state (4 bytes read + 4 written)."""
+    n, dim, tables = case.ids.numel(), case.dim, case.tables
+    elt = case.weights.element_size()
+    unique = sum(int(case.ids[t * n // tables:(t + 1) * n // tables].unique().numel()) for t in range(tables))
+    fwd_bytes = n * dim * elt + case.batch * case.layout.total_D * 4
+    step_bytes = fwd_bytes + n * dim * 4 + unique * (2 * dim * elt + 8)
+    return {"lookups": n, "unique_rows": unique, "fwd_bytes": fwd_bytes, "step_bytes": step_bytes}
+
+
 def _timer(device, quick: bool):
     if device.type == "cuda":
         import triton.testing
@@ -206,7 +223,6 @@ def main() -> int:
             print("error: --check needs fbgemm_gpu", file=sys.stderr)
             return 2
     bench = _timer(device, args.quick)
-    elt = 4 if args.dtype == "fp32" else 2
     records = []
     cases = [(r, d, p) for r in args.rows for d in args.dims for p in args.pooling]
     for i, (rows, dim, pooling) in enumerate(cases):
@@ -220,12 +236,8 @@ def main() -> int:
         if fb is not None:
             rec["fbgemm_fwd_ms"] = bench(case.fbgemm_forward)
             rec["fbgemm_step_ms"] = bench(case.fbgemm_step)
-        n = rec["lookups"]
-        unique = sum(int(case.ids[t * n // args.tables:(t + 1) * n // args.tables].unique().numel())
-                     for t in range(args.tables))
-        fwd_bytes = n * dim * elt + args.batch * case.layout.total_D * 4
-        # backward: grad rows read per id, then each unique row read and written, with its state
-        step_bytes = fwd_bytes + n * dim * 4 + unique * (2 * dim * elt + 8)
+        moved = traffic(case)
+        n, fwd_bytes, step_bytes = moved["lookups"], moved["fwd_bytes"], moved["step_bytes"]
         for who in ("triton", "fbgemm"):
             if f"{who}_fwd_ms" in rec:
                 rec[f"{who}_fwd_Mlookups_s"] = n / rec[f"{who}_fwd_ms"] / 1e3
