@@ -3,11 +3,11 @@
 The constructor shards each planned ``EmbeddingBagCollection`` and ``EmbeddingCollection`` in
 place (its fused tables move into fused TBEs on the ranks that own them, on ``device``: fbgemm's
 on the CPU, graphshard's Triton TBE on CUDA; its forward becomes the logical lookup the
-``shard_embeddings`` pass expands) and moves the rest of the module to ``device``, then ``init_data_parallel`` lays the dense parameters
-(and data-parallel tables) out with a graphshard ``Plan`` (``Replicate``: DDP's semantics)
-and compiles the whole model as one program with the graphshard backend: the ids'
-all-to-alls, the lookups, the pooled embeddings' distribution and the dense network are one
-graph.
+``shard_embeddings`` pass expands) and moves the rest of the module to ``device``, then
+``init_data_parallel`` lays the dense parameters (and data-parallel tables) out with a graphshard
+``Plan`` (``Replicate``: DDP's semantics) and compiles the whole model as one program with the
+graphshard backend: the ids' all-to-alls, the lookups, the pooled embeddings' distribution and
+the dense network are one graph.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
     if spec.kernel not in ("auto", "fbgemm", "triton"):
         raise ValueError(f"{fqn}: ShardEmbedding kernel {spec.kernel!r}; expected 'auto', 'fbgemm' or 'triton'")
     device = plan.mesh.device_type
-    kernel, note = choose_kernel(spec.kernel, device, fqn)
+    kernel, _ = choose_kernel(spec.kernel, device, fqn)  # 'auto' needs no note; 'fbgemm' is refused where it cannot run
     axis = _axis(plan, spec, fqn)
     group = plan.group(axis)
     import torch.distributed as dist
