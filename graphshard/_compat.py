@@ -37,6 +37,25 @@ def foreach_clone(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def is_inplace_op(op) -> bool:
+    """Whether ``op`` (an OpOverload) is an in-place op (``bernoulli_``, ``add_``): ``torch.Tag.inplace``
+    where torch has it (2.13); torch 2.11 has no such tag, so there the same from the schema, as
+    torchgen tags native ops: named ``name_`` (or ``__iname__``) and writing its first argument."""
+    if hasattr(torch.Tag, "inplace"):
+        return torch.Tag.inplace in op.tags
+    return _inplace_by_schema(op)
+
+
+def _inplace_by_schema(op) -> bool:
+    schema = op._schema
+    name = schema.name.split("::")[-1]
+    dunder = name.startswith("__") and name.endswith("__")
+    if not (name.startswith("__i") if dunder else name.endswith("_")):
+        return False
+    alias = schema.arguments[0].alias_info if schema.arguments else None
+    return alias is not None and alias.is_write
+
+
 # Functional collectives (the ops Inductor knows how to issue asynchronously).
 c10d = torch.ops._c10d_functional
 
@@ -368,6 +387,23 @@ def fake_local(dtensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     would hand over a new alias on every call, which the mode describes and rebuilds as a
     view of its base (~4.5 ms per parameter on a CPU)."""
     return fake_mode.from_tensor(dtensor._local_tensor).detach().requires_grad_(dtensor.requires_grad)
+
+
+def is_plain_to_local(node: torch.fx.Node) -> bool:
+    """Whether ``node`` of a dynamo graph is a DTensor's ``to_local()``. torch 2.13 (CI's) records it as
+    ``call_method to_local``; torch 2.11's dynamo (``TensorVariable.method_to_local``)
+    as ``call_function`` of a function it makes on the fly, named ``prim_to_local``, that holds the
+    call's arguments in its closure (``args_as_value``, ``kwargs_as_value``): only one called
+    without arguments counts there."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    if node.op != "call_function" or getattr(node.target, "__name__", None) != "prim_to_local":
+        return False
+    code, cells = getattr(node.target, "__code__", None), getattr(node.target, "__closure__", None) or ()
+    if code is None or len(node.args) != 1 or node.kwargs:
+        return False
+    captured = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
+    return not captured.get("args_as_value", ()) and not captured.get("kwargs_as_value", {})
 
 
 def local_tensors(dtensors: list) -> tuple[torch.Tensor, ...]:
@@ -719,3 +755,4 @@ def batched_cpp_kernels(*, enabled: bool = True, defer: bool = False):
             state.deferred, state.scopes = None, []
         if state.depth == 0:
             _remove_hooks()
+

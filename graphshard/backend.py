@@ -184,7 +184,7 @@ def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
             continue
         positions.append(i)
         for user in list(ph.users):
-            if user.op == "call_method" and user.target == "to_local":
+            if _compat.is_plain_to_local(user):
                 user.replace_all_uses_with(ph)
                 gm.graph.erase_node(user)
             else:

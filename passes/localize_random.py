@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
+from graphshard import _compat
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten
 from graphshard.passes._rules import StridedShard
@@ -259,7 +260,7 @@ def _replace(node: fx.Node, value: fx.Node) -> None:
     replaced with ``value``; a fill of any other tensor becomes ``copy_`` into it."""
     g = node.graph
     target = node.args[0]
-    if torch.Tag.inplace in node.target.tags and not (
+    if _compat.is_inplace_op(node.target) and not (
             target.op == "call_function" and target.target in _FRESH and list(target.users) == [node]):
         with g.inserting_before(node):
             copy = g.call_function(aten.copy_.default, (target, value))

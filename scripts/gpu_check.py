@@ -10,7 +10,7 @@ Sections, in this order, each in its own process with its own time limit (one th
 runs out of time does not stop the others; its partial figures are kept):
 
 1. ``versions``   python, torch, triton, transformers, CUDA, GPU; torchrec / fbgemm_gpu;
-                  ``graphshard._compat.probe_private_apis()``
+                  ``graphshard._api_probe.probe_private_apis()``
 2. ``tbe``        graphshard's Triton TBE against the torch reference (forward; weights and state
                   after one fused step), then its bandwidth as a fraction of a device copy's
 3. ``demo``       ``torchrun --nproc-per-node 1 examples/train_transformer.py --steps 5``

@@ -146,6 +146,7 @@ def test_torchrec_model_tables_from_the_example_kjt():
 
 
 def test_dmp_takes_the_auto_plan():
+    pytest.importorskip("torchrec")
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytest.importorskip("fbgemm_gpu")
 fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
 from graphshard.kernels.fused_tbe import FusedTBE, TBESlot, reference_lookup  # noqa: E402
 EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_tbe._fbgemm()

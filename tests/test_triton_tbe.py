@@ -53,6 +53,7 @@ def _weights(layout, dtype=torch.float32, seed=0):
 
 def _fbgemm(layout, weights, *, pooling="sum", optimizer=None):
     """fbgemm's CPU module over the same tables, holding a copy of ``weights``."""
+    pytest.importorskip("fbgemm_gpu")
     fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
     EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_tbe._fbgemm()
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode

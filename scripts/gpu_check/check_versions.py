@@ -71,16 +71,14 @@ def run(res, dry: bool) -> None:
     res.fig(**figs)
     res.table(["what", "version"], rows)
 
-    probe = getattr(importlib.import_module("graphshard._compat"), "probe_private_apis", None)
-    if probe is None:
-        res.fig(probe="not available")
-        res.line("- private-API probe: probe not available (graphshard._compat.probe_private_apis is missing)")
-        return
-    found = probe()
-    missing = {k: v for k, v in found.items() if v is not None}
-    res.fig(probe={"checked": len(found), "missing": missing})
-    res.line(f"- private-API probe: {len(found)} APIs checked, {len(missing)} missing")
-    for name, why in sorted(missing.items()):
-        res.line(f"  - missing `{name}`: {why}")
-    res.check("every private torch API graphshard uses is present", not missing,
+    probe = importlib.import_module("graphshard._api_probe")
+    found = probe.probe_private_apis()
+    missing = probe.missing_private_apis()  # what graphshard cannot do without
+    gated = {k: v for k, v in probe.missing_private_apis(gated=True).items() if k not in missing}
+    res.fig(probe={"checked": len(found), "missing": missing, "gated": gated})
+    res.line(f"- private-API probe: {len(found)} APIs checked, {len(missing)} missing, {len(gated)} missing but "
+             "gated (graphshard does without them)")
+    for name, why in sorted({**missing, **gated}.items()):
+        res.line(f"  - {'gated' if name in gated else 'missing'} `{name}`: {why}")
+    res.check("every private torch API graphshard needs is present", not missing,
               ", ".join(sorted(missing)) if missing else "")
