@@ -160,7 +160,25 @@ def sparse_description(cfg) -> str:
             "ShardEmbedding(kernel='triton', rowwise_adagrad); dense part FullyShard")
 
 
+def fake_all_to_all_writes(dev) -> bool:
+    """Whether this torch's fake process group writes an all-to-all's output (torch 2.13 copies the
+    rank's own input into it; torch 2.11 leaves it as allocated, so sizes sent by an all-to-all are
+    uninitialized memory there)."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.full((4,), -7, dtype=torch.int64, device=dev)
+    dist.all_to_all_single(out, torch.ones(4, dtype=torch.int64, device=dev))
+    return bool((out != -7).all())
+
+
 def sparse(res, cfg, dev) -> None:
+    from check_common import Skip
+
+    if not fake_all_to_all_writes(dev):
+        raise Skip("this torch's fake process group leaves all-to-all outputs unwritten, so the ids' split sizes "
+                   "(sent by an all-to-all of lengths) would be uninitialized memory; part `sparse_world1` runs the "
+                   "plan on a real group")
     res.line(f"Sparse at world 4 (fake group, 1-D mesh of 4): {sparse_description(cfg)}. The fake group cannot "
              "deliver what other ranks send: torch 2.13's copies this rank's own input into every receive slot (and "
              "refuses an all-to-all whose input is empty while something is to be received), older ones may leave "
@@ -211,6 +229,8 @@ def dmp(res, cfg, dev) -> None:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
     except ImportError as e:
         raise Skip(f"torchrec not importable ({type(e).__name__}: {e})") from None
+    if not fake_all_to_all_writes(dev):
+        raise Skip("this torch's fake process group leaves all-to-all outputs unwritten (see `sparse`)")
     import torch
     import torch.nn as nn
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
