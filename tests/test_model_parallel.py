@@ -66,7 +66,9 @@ def test_graphshard_matches_single_process(results, case):
     assert set(r["param_gs_ref"]) == set(r["keys_reference"])
     bad = {k: v for k, v in r["param_gs_ref"].items() if v > TOL}
     assert not bad, bad
-    assert all(r["moved"][t] > 1e-4 for t in r["tables"]), {t: r["moved"][t] for t in r["tables"]}  # every table trained
+    # every table trained, by enough that one left as it was would be off by more than TOL (data-parallel
+    # tables take plain SGD on their dense gradient and move least: ~8e-5 in 4 steps of the auto plan)
+    assert all(r["moved"][t] > 5 * TOL for t in r["tables"]), {t: r["moved"][t] for t in r["tables"]}
 
 
 @pytest.mark.parametrize("case", CASES + FOUR_RANK)
