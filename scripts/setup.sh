@@ -212,14 +212,16 @@ if [ -n "$need_test" ]; then
     pip_install "expecttest>=0.2" "pytest>=8"
 fi
 
-if [ -n "$need_transformers" ]; then
-  if [ "$transformers_have" != "-" ]; then
-    effect="keeping transformers $transformers_have; the model-coverage suite runs against it"
-  else
-    effect="the model-coverage suite (tests/test_model_coverage.py) is skipped"
-  fi
-  optional "transformers==$TRANSFORMERS_PIN" "$effect" pip_install "transformers==$TRANSFORMERS_PIN"
-fi
+# pinned PACKAGE PIN HAVE KEPT_EFFECT MISSING_EFFECT: an optional pinned package; one of another version
+# ($HAVE, "-" for none) is kept where the pin cannot be installed.
+pinned() {
+  local effect=$5
+  [ "$3" = "-" ] || effect="keeping $1 $3; $4"
+  optional "$1==$2" "$effect" pip_install "$1==$2"
+}
+
+[ -z "$need_transformers" ] || pinned transformers "$TRANSFORMERS_PIN" "$transformers_have" \
+  "the model-coverage suite runs against it" "the model-coverage suite (tests/test_model_coverage.py) is skipped"
 
 if [ -n "$need_torchrec" ]; then
   optional "the TorchRec stack: ${TORCHREC_NODEPS// /, }, tensordict, torchmetrics, pyre-extensions" \
@@ -228,14 +230,8 @@ fi
 
 # Triton, optional (graphshard's own TBE kernels, kernels/triton_tbe.py; on CPU they run under
 # TRITON_INTERPRET=1).
-if [ -n "$need_triton" ]; then
-  if [ "$triton_have" != "-" ]; then
-    effect="keeping triton $triton_have; the Triton TBE kernels run on it"
-  else
-    effect="graphshard's Triton TBE kernels (kernels/triton_tbe.py) are unavailable and their tests are skipped"
-  fi
-  optional "triton==$TRITON_PIN" "$effect" pip_install "triton==$TRITON_PIN"
-fi
+[ -z "$need_triton" ] || pinned triton "$TRITON_PIN" "$triton_have" "the Triton TBE kernels run on it" \
+  "graphshard's Triton TBE kernels (kernels/triton_tbe.py) are unavailable and their tests are skipped"
 
 if [ -n "$need_graphshard" ]; then
   install_graphshard || true
