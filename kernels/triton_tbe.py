@@ -290,6 +290,21 @@ def _bag_of_id(offsets: torch.Tensor, num_ids: int) -> torch.Tensor:
     return torch.repeat_interleave(bags, offsets[1:] - offsets[:-1], output_size=num_ids)
 
 
+def sorted_ids(layout: TBELayout, indices: torch.Tensor, offsets: torch.Tensor, batch: int):
+    """What the fused backward launches over: ``(bag_of_id, sorted_keys, order, segment_end)``, the
+    ids' global row numbers (``row_offsets[table] + id``) stably sorted, the positions they came
+    from, and the end of each one's run of equal keys. The keys are int32 when the layout's rows
+    fit (a radix sort then makes half as many passes as over int64 keys)."""
+    bag_of_id = _bag_of_id(offsets, indices.numel())
+    tables = layout.feature_table_map[bag_of_id // batch]
+    keys = layout.row_offsets[tables] + indices.long()
+    if layout.total_rows < 2**31:
+        keys = keys.to(torch.int32)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    segment_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+    return bag_of_id, sorted_keys, order, segment_end
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -370,11 +385,7 @@ def tbe_backward_update_(grad_output: torch.Tensor, weights: torch.Tensor, state
     if batch == 0 or num_ids == 0:
         return
     offsets = offsets.contiguous()
-    bag_of_id = _bag_of_id(offsets, num_ids)
-    tables = layout.feature_table_map[bag_of_id // batch]
-    keys = layout.row_offsets[tables] + indices.long()
-    sorted_keys, order = torch.sort(keys, stable=True)
-    segment_end = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+    bag_of_id, sorted_keys, order, segment_end = sorted_ids(layout, indices, offsets, batch)
     # most rows occur a few times (uniform ids); a hot row loops over more tiles
     block_l, block_d, num_warps = _tile(layout.max_D, 4, whole_row=True)
     psw = per_sample_weights.contiguous() if per_sample_weights is not None else weights

@@ -19,8 +19,10 @@ runs out of time does not stop the others; its partial figures are kept):
 5. ``llama``      HF Llama: graphshard FullyShard (bf16 params, fp32 reduce) vs torch's fully_shard
                   (+ torch.compile; eager if time allows) vs an fp32 single-process reference
 6. ``world4``     world 4 on the fake process group on CUDA: FSDP + TP, compiled, collectives counted;
-                  ShardEmbedding tables (kernel="triton") beside a FullyShard part; TorchRec DMP if present
-7. ``throughput`` 8 layers, dim 1024: graphshard vs FSDP2 + torch.compile, tokens/s and peak memory
+                  ShardEmbedding tables (kernel="triton") beside a FullyShard part; TorchRec DMP if present;
+                  the sparse plan and TorchRec's DLRM under DMP at world 1 (NCCL) against plain torch
+7. ``throughput`` 8 layers, dim 1024: graphshard vs FSDP2 + torch.compile, tokens/s and peak memory;
+                  a kernel profile of each (where a gap goes) and graphshard with ``regional=False``
 
 The overall limit (``--budget``, default 480 s; the dry run's is larger) is shared: a section may
 use what earlier ones left, but never the time the later sections' own budgets need; a section
@@ -47,14 +49,14 @@ SECTION_DIR = os.path.join(HERE, "gpu_check")
 # name, module, title, seconds on an H100 (compile included), seconds in the CPU dry run, dry-run env
 SECTIONS = [
     ("versions", "check_versions", "versions and API probe", 15, 60, {}),
-    ("tbe", "check_tbe", "Triton TBE vs the torch reference", 70, 400, {"TRITON_INTERPRET": "1"}),
-    ("demo", "check_demo", "the demo on one GPU", 50, 300, {}),
+    ("tbe", "check_tbe", "Triton TBE vs the torch reference", 60, 400, {"TRITON_INTERPRET": "1"}),
+    ("demo", "check_demo", "the demo on one GPU", 45, 300, {}),
     ("frontends", "check_frontends", "graphshard.fsdp and graphshard.tensor_parallel vs the single process", 40, 300,
      {}),
-    ("llama", "check_llama", "HF Llama: FullyShard vs torch's fully_shard", 115, 600, {}),
-    ("world4", "check_world4", "FSDP + TP and sharded embeddings at world 4 (fake process group)", 75, 600,
+    ("llama", "check_llama", "HF Llama: FullyShard vs torch's fully_shard", 100, 600, {}),
+    ("world4", "check_world4", "FSDP + TP and sharded embeddings at world 4 (fake process group)", 95, 600,
      {"TRITON_INTERPRET": "1"}),
-    ("throughput", "check_throughput", "throughput: graphshard vs FSDP2 + torch.compile", 115, 500, {}),
+    ("throughput", "check_throughput", "throughput: graphshard vs FSDP2 + torch.compile", 140, 500, {}),
 ]
 GRACE_S = 5.0  # a section's own deadline is this much before it is killed: time to write what it has
 

@@ -148,8 +148,10 @@ def bandwidth(res, torch, tbe, dev, cfg) -> None:
 
         bwd_ms = timer(backward)
         step_ms = timer(case.triton_step)
+        parts = backward_parts(torch, tbe, timer, case, bwd_ms)
         bwd_bytes = moved["step_bytes"] - moved["fwd_bytes"]
         rec = {"dtype": dtype, "pooling": pooling, **moved, "fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "step_ms": step_ms,
+               "bwd_parts_ms": parts,
                "fwd_GBs": moved["fwd_bytes"] / fwd_ms / 1e6, "bwd_GBs": bwd_bytes / bwd_ms / 1e6,
                "step_GBs": moved["step_bytes"] / step_ms / 1e6}
         rec["fwd_frac"], rec["bwd_frac"] = rec["fwd_GBs"] / copy_gbs, rec["bwd_GBs"] / copy_gbs
@@ -181,7 +183,27 @@ def bandwidth(res, torch, tbe, dev, cfg) -> None:
             "`bench_tbe_kernel.traffic` counts them (rows read per id, output written; backward: fp32 gradient rows "
             "per id, each unique row read + written with its state).",
             "targets met (fwd, bwd): " + ", ".join(f"{k}: {'yes' if f else 'no'}, {'yes' if b else 'no'}"
-                                                   for k, (f, b) in met.items())])
+                                                   for k, (f, b) in met.items()),
+            "", "The backward's parts (ms; update kernel = backward - ids sorted):", ""]
+            + table_lines(["weights", "L", "ids sorted (keys, sort, segments)", "sort of int32 keys",
+                           "sort of int64 keys", "update kernel"],
+                          [[r["dtype"], r["pooling"]] + [f"{r['bwd_parts_ms'][k]:.3f}" for k in
+                                                         ("sorted_ids", "sort_int32", "sort_int64", "update")]
+                           for r in records]))
+
+
+def backward_parts(torch, tbe, timer, case, bwd_ms: float) -> dict:
+    """Milliseconds of the fused backward's parts: ``tbe.sorted_ids`` (bags, keys, the stable sort,
+    segment ends), a stable sort of the same number of int32 and of int64 keys alone, and the
+    update kernel (``bwd_ms``, the whole backward's time, less ``sorted_ids``')."""
+    n = case.ids.numel()
+    keys = torch.randint(0, case.layout.total_rows, (n,), dtype=torch.int32, device=case.ids.device)
+    wide = keys.long()
+    prep = timer(lambda: tbe.sorted_ids(case.layout, case.ids, case.offsets, case.batch))
+    out = {"sorted_ids": prep, "sort_int32": timer(lambda: torch.sort(keys, stable=True)),
+           "sort_int64": timer(lambda: torch.sort(wide, stable=True))}
+    out["update"] = bwd_ms - prep
+    return out
 
 
 def run(res, dry: bool) -> None:

@@ -5,14 +5,21 @@ root, ``MixedPrecisionPolicy(bf16, fp32)``) + ``torch.compile``; AdamW. Tokens p
 the steady steps (the first two, compile and warm-up, excluded) and peak memory
 (``torch.cuda.max_memory_allocated`` over the run, parameters and optimizer state included).
 Targets: graphshard >= 1.0x FSDP2's tokens/s and <= 1.0x its peak memory.
+
+Where the time goes: two more steps of each variant under ``torch.profiler``
+(``check_training.kernel_profile``: GPU busy fraction, kernel time by kind, top kernels, host
+synchronizations), and ``graphshard_whole`` (``regional=False``: one Inductor compile per graph, so
+Inductor fuses across the communication steps) when time is left, to tell regional lowering's
+share of a gap from the rest.
 """
 
 from __future__ import annotations
 
 GPU = dict(dim=1024, layers=8, heads=16, vocab=32000, seq=2048, batch=4, steps=10)
 DRY = dict(dim=64, layers=2, heads=4, vocab=256, seq=32, batch=2, steps=5)
-VARIANTS = ["graphshard", "fsdp2_compile"]
-MIN_LEFT_S = {"graphshard": 30, "fsdp2_compile": 30, "fsdp2_compile_blocks": 30}
+VARIANTS = ["graphshard", "fsdp2_compile", "graphshard_whole"]
+MIN_LEFT_S = {"graphshard": 30, "fsdp2_compile": 30, "fsdp2_compile_blocks": 30, "graphshard_whole": 35}
+PROFILE_STEPS = 2
 TARGETS = {"tokens_per_s": 1.0, "peak_mib": 1.0}  # graphshard / FSDP2: at least, at most
 
 
@@ -55,13 +62,14 @@ def run(res, dry: bool) -> None:
         return lm_loss(logits.float(), batches[i][1])
 
     run_variants(res, VARIANTS, base, dev, mesh, "layers.*", lambda m: list(m.layers), loss_of, cfg["steps"], 1e-4,
-                 {k: (v * 3 if dry else v) for k, v in MIN_LEFT_S.items()}, lambda recs: summarize(res, recs, tokens))
+                 {k: (v * 3 if dry else v) for k, v in MIN_LEFT_S.items()}, lambda recs: summarize(res, recs, tokens),
+                 profile_steps=PROFILE_STEPS)
 
 
 def summarize(res, recs: dict, tokens: int) -> None:
     """Tokens/s and peak memory of each variant, graphshard's ratios to FSDP2 (rewritten after each variant)."""
     from check_common import fmt, table_lines
-    from check_training import compiled_fsdp2, loss_gap, ratio
+    from check_training import compiled_fsdp2, loss_gap, profile_lines, ratio
 
     for r in recs.values():
         r["tokens_per_s"] = tokens / r["steady_step_s"] if r["steady_step_s"] else None
@@ -80,6 +88,13 @@ def summarize(res, recs: dict, tokens: int) -> None:
                   f"{_met(ratios['peak_mib'], TARGETS['peak_mib'], False)})",
                   f"- max |loss diff| graphshard vs {peer} over the {len(g['losses'])} steps: {loss_gap(g, f):.3e} "
                   "(both bf16: a sanity check that they trained the same model)"]
+        if "graphshard_whole" in recs:
+            w = recs["graphshard_whole"]
+            res.fig(whole_ratio=ratio(w["tokens_per_s"], f["tokens_per_s"]))
+            lines.append(f"- graphshard_whole (regional=False) / {peer}: tokens/s "
+                         f"{fmt(ratio(w['tokens_per_s'], f['tokens_per_s']))}; max |loss diff| vs graphshard "
+                         f"{loss_gap(w, g):.3e}")
+    lines += [""] + profile_lines(recs)
     res.fig(variants=recs)
     res.block("summary", lines)
 

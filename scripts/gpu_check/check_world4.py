@@ -14,6 +14,8 @@ checked).
   with meaningful values (finite output, the table updated by the fused optimizer).
 * ``dmp``: graphshard's TorchRec ``DistributedModelParallel`` on a DLRM (table-wise, row-wise,
   column-wise tables), only where torchrec imports.
+* ``dmp_world1``: the same on a real one-rank group (NCCL), in a child process
+  (``check_dmp_world1.py``): a few steps against the unwrapped model in plain torch.
 """
 
 from __future__ import annotations
@@ -269,6 +271,41 @@ def dmp(res, cfg, dev) -> None:
     res.check("DMP output has the per-rank batch shape", out.reshape(-1).shape[0] == B, f"{tuple(out.shape)}")
 
 
+def dmp_world1(res, dry: bool) -> None:
+    """``check_dmp_world1.py`` in a child process: losses and parameters against plain torch."""
+    import json
+    import os
+    import sys
+
+    from check_common import Skip, child_env, run_launcher
+
+    try:
+        import fbgemm_gpu  # noqa: F401 - TorchRec's sharder types import it (the CPU build will do)
+        import torchrec  # noqa: F401
+    except ImportError as e:
+        raise Skip(f"torchrec not importable ({type(e).__name__}: {e})") from None
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "check_dmp_world1.py")
+    rc, out = run_launcher([sys.executable, script] + (["--dry"] if dry else []), child_env(dry), res.left_s() - 2)
+    lines = [l for l in out.splitlines() if l.startswith("@@result ")]
+    if rc != 0 or not lines:
+        tail = "\n".join(out.strip().splitlines()[-4:])
+        raise RuntimeError(f"the world-1 DMP run exited {rc}: {tail[-800:]}")
+    rec = json.loads(lines[-1][len("@@result "):])
+    res.fig(dmp_world1=rec)
+    res.line(f"DMP at world 1 ({'gloo' if dry else 'NCCL'}): TorchRec {rec['dense']}; tables tw, rw, cw, {rec['rows']} rows x {rec['dim']}, fused row-wise Adagrad, dense SGD; batch {rec['batch']}, "
+             f"{rec['steps']} steps; losses {', '.join(f'{l:.6f}' for l in rec['losses'])}")
+    for line in rec["kernels"]:
+        res.line(f"  - {line}")
+    res.check("world-1 DMP: every state-dict entry present and finite", rec["finite"] and not rec["missing_keys"],
+              f"missing {rec['missing_keys']}")
+    res.check("world-1 DMP: the tables moved (the fused update ran)", rec["tables_moved"] > 1e-4,
+              f"{rec['tables_moved']:.2e}")
+    res.check("world-1 DMP matches the unwrapped model in plain torch (1e-5)",
+              rec["loss_diff"] <= 1e-5 and rec["param_diff"] <= 1e-5,
+              f"max |loss diff| {rec['loss_diff']:.2e}, max |param diff| {rec['param_diff']:.2e} "
+              f"({rec['worst_param']})")
+
+
 def run(res, dry: bool) -> None:
     import torch.distributed as dist
 
@@ -286,7 +323,8 @@ def run(res, dry: bool) -> None:
     for name, need_s, part in (("fsdp_tp", 30, lambda: fsdp_tp(res, cfg, dev)),
                                ("sparse", 15, lambda: sparse(res, cfg, dev)),
                                ("sparse_world1", 20, lambda: sparse_world1(res, cfg, dev, dry)),
-                               ("dmp", 15, lambda: dmp(res, cfg, dev))):
+                               ("dmp", 15, lambda: dmp(res, cfg, dev)),
+                               ("dmp_world1", 25, lambda: dmp_world1(res, dry))):
         with res.part(name):
             res.need(need_s * scale)  # seconds on an H100, compile included
             part()
