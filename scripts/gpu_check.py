@@ -48,7 +48,7 @@ SECTION_DIR = os.path.join(HERE, "gpu_check")
 
 # name, module, title, seconds on an H100 (compile included), seconds in the CPU dry run, dry-run env
 SECTIONS = [
-    ("versions", "check_versions", "versions and API probe", 15, 60, {}),
+    ("versions", "check_versions", "versions and API probe", 25, 60, {}),
     ("tbe", "check_tbe", "Triton TBE vs the torch reference", 60, 400, {"TRITON_INTERPRET": "1"}),
     ("demo", "check_demo", "the demo on one GPU", 45, 300, {}),
     ("frontends", "check_frontends", "graphshard.fsdp and graphshard.tensor_parallel vs the single process", 40, 300,

@@ -15,7 +15,7 @@ share of a gap from the rest.
 
 from __future__ import annotations
 
-GPU = dict(dim=1024, layers=8, heads=16, vocab=32000, seq=2048, batch=4, steps=10)
+GPU = dict(dim=1024, layers=8, heads=16, vocab=32000, seq=2048, batch=4, steps=20)
 DRY = dict(dim=64, layers=2, heads=4, vocab=256, seq=32, batch=2, steps=5)
 VARIANTS = ["graphshard", "fsdp2_compile", "graphshard_whole"]
 MIN_LEFT_S = {"graphshard": 30, "fsdp2_compile": 30, "fsdp2_compile_blocks": 30, "graphshard_whole": 35}

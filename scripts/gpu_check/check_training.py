@@ -124,9 +124,14 @@ def kernel_profile(step: Callable[[int], None], batches: list[int], dev, top: in
     wall_ms = (time.perf_counter() - t0) * 1e3 / n
     kernels: dict[str, list[float]] = {}
     syncs = d2h = launches = 0
-    for e in prof.events():
+    events = prof.events()
+    # the GPU timeline also holds the host's annotations (``Optimizer.step#...``, ``FSDP::...``) as
+    # ranges: not kernels, and they overlap the kernels they enclose
+    host_names = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}
+    for e in events:
         name = e.name
-        if dev.type == "cuda" and e.device_type == device_type or dev.type != "cuda" and e.cpu_parent is None:
+        if dev.type == "cuda" and e.device_type == device_type and name not in host_names \
+                or dev.type != "cuda" and e.cpu_parent is None:
             kernels.setdefault(name, []).append(e.time_range.elapsed_us() / 1e3)
         elif name in SYNC_CALLS:
             syncs += 1
