@@ -26,11 +26,9 @@ its gradients. Adagrad is not linear in the gradient, so applying each occurrenc
 racing with atomics) gives another answer, and atomics would make it nondeterministic. The
 launcher therefore sorts the ids by the key ``row_offsets[table] + id`` (a global row number) with
 a stable sort, so each unique row becomes one contiguous segment whose occurrences keep their
-original order. Each program of the kernel takes ``BLOCK_R`` consecutive sorted positions; for
-each that begins a segment it sums the segment's gradient rows in that fixed order (``BLOCK_L`` at
-a time) and applies the optimizer; the other positions do nothing. Several positions per program
-keep several rows' chains of dependent loads in flight at once: with one position per program the
-H100 spent 0.38 ms on 327k ids, latency-bound. Segment ends come from ``searchsorted`` on the sorted keys,
+original order. The kernel runs one program per sorted position; the program at a segment's first
+position sums the segment's gradient rows in that fixed order (``BLOCK_L`` at a time) and applies
+the optimizer; the others do nothing. Segment ends come from ``searchsorted`` on the sorted keys,
 so the launch needs no device-to-host copy (its grid is the number of ids, known on the host).
 The result is bitwise reproducible run to run.
 
@@ -129,73 +127,60 @@ def _tbe_forward_kernel(
 
 
 @triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
 def _tbe_update_kernel(
     grad_ptr, weights_ptr, state_ptr, weights_offsets_ptr, D_offsets_ptr, feature_table_map_ptr,
     indices_ptr, offsets_ptr, per_sample_weights_ptr,
     bag_of_id_ptr, sorted_keys_ptr, order_ptr, segment_end_ptr,
-    lr_ptr, num_ids, B, total_D, eps, weight_decay,
+    lr_ptr, B, total_D, eps, weight_decay,
     OPTIMIZER: tl.constexpr, WEIGHT_DECAY_MODE: tl.constexpr, WEIGHTED: tl.constexpr, MEAN: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # OPTIMIZER: 0 SGD, 1 Adagrad, 2 row-wise Adagrad (the order of tbe_reference.OPTIMIZERS).
-    # One program takes BLOCK_R consecutive sorted positions; each that begins a segment updates its
-    # row. Tiles are [BLOCK_R, BLOCK_L, BLOCK_D]: BLOCK_R rows' chains of dependent loads (order ->
-    # bag -> feature -> offsets -> gradient row) are in flight at once, which is what bounds this
-    # kernel (uniform ids make most segments one id long).
-    j = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [R] positions in the sorted ids
-    key = tl.load(sorted_keys_ptr + j, mask=j < num_ids, other=-1)
-    previous = tl.load(sorted_keys_ptr + j - 1, mask=(j > 0) & (j < num_ids), other=-1)
-    leader = (j < num_ids) & ((j == 0) | (key != previous))  # first occurrence of its row: updated here
-    segment_end = tl.where(leader, tl.load(segment_end_ptr + j, mask=leader, other=0), j)
+    # OPTIMIZER: 0 SGD, 1 Adagrad, 2 row-wise Adagrad (the order of tbe_reference.OPTIMIZERS)
+    j = tl.program_id(0).to(tl.int64)  # a position in the sorted ids
+    key = tl.load(sorted_keys_ptr + j)
+    previous = tl.load(sorted_keys_ptr + j - 1, mask=j > 0, other=-1)
+    leader = (j == 0) | (key != previous)  # first occurrence of its row: this program updates it
+    segment_end = tl.where(leader, tl.load(segment_end_ptr + j), j)
 
-    first_id = tl.load(order_ptr + j, mask=leader, other=0)
-    feature = tl.load(bag_of_id_ptr + first_id, mask=leader, other=0) // B
-    table = tl.load(feature_table_map_ptr + feature, mask=leader, other=0)
-    dim = (tl.load(D_offsets_ptr + feature + 1, mask=leader, other=0)
-           - tl.load(D_offsets_ptr + feature, mask=leader, other=0))
-    row_begin = (tl.load(weights_offsets_ptr + table, mask=leader, other=0)
-                 + tl.load(indices_ptr + first_id, mask=leader, other=0).to(tl.int64) * dim)
+    first_id = tl.load(order_ptr + j)
+    feature = tl.load(bag_of_id_ptr + first_id) // B
+    table = tl.load(feature_table_map_ptr + feature)
+    dim = tl.load(D_offsets_ptr + feature + 1) - tl.load(D_offsets_ptr + feature)
+    row_begin = tl.load(weights_offsets_ptr + table) + tl.load(indices_ptr + first_id).to(tl.int64) * dim
     cols = tl.arange(0, BLOCK_D)
-    col_mask = cols[None, :] < dim[:, None]  # [R, D]
-    lanes = tl.arange(0, BLOCK_L)
+    col_mask = cols < dim
 
-    # each row's gradient, summed over its occurrences in sorted (= original) order, BLOCK_L at a time
-    grad = tl.full([BLOCK_R, BLOCK_D], 0.0, tl.float32)
-    longest = tl.reduce(segment_end - j, 0, _max)
-    k = 0
-    while k < longest:
-        pos = j[:, None] + k + lanes[None, :]  # [R, L]
-        pos_mask = pos < segment_end[:, None]
+    # the row's gradient, summed over its occurrences in sorted (= original) order
+    grad = tl.full([BLOCK_D], 0.0, tl.float32)
+    first = j
+    while first < segment_end:
+        pos = first + tl.arange(0, BLOCK_L)
+        pos_mask = pos < segment_end
         ids = tl.load(order_ptr + pos, mask=pos_mask, other=0)
         bag = tl.load(bag_of_id_ptr + ids, mask=pos_mask, other=0)
         f = bag // B
         sample = (bag - f * B).to(tl.int64)
         col_begin = tl.load(D_offsets_ptr + f, mask=pos_mask, other=0)
-        ptrs = grad_ptr + (sample * total_D + col_begin)[:, :, None] + cols[None, None, :]
-        g = tl.load(ptrs, mask=pos_mask[:, :, None] & col_mask[:, None, :], other=0.0).to(tl.float32)
+        ptrs = grad_ptr + sample[:, None] * total_D + col_begin[:, None] + cols[None, :]
+        g = tl.load(ptrs, mask=pos_mask[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
         if WEIGHTED:
             psw = tl.load(per_sample_weights_ptr + ids, mask=pos_mask, other=0.0).to(tl.float32)
-            g = g * psw[:, :, None]
+            g = g * psw[:, None]
         if MEAN:
             length = (tl.load(offsets_ptr + bag + 1, mask=pos_mask, other=1)
                       - tl.load(offsets_ptr + bag, mask=pos_mask, other=0)).to(tl.float32)
-            g = g * (1.0 / length)[:, :, None]
-        grad += tl.reduce(g, 1, _add)
-        k += BLOCK_L
+            g = g * (1.0 / length)[:, None]
+        grad += tl.reduce(g, 0, _add)
+        first += BLOCK_L
 
-    update_mask = leader[:, None] & col_mask
+    update_mask = col_mask & leader
     learning_rate = tl.load(lr_ptr).to(tl.float32)  # read on the device: a changed rate needs no new launch or host sync
-    w_ptrs = weights_ptr + row_begin[:, None] + cols[None, :]
+    w_ptrs = weights_ptr + row_begin + cols
     w = tl.load(w_ptrs, mask=update_mask, other=0.0).to(tl.float32)
     if OPTIMIZER == 0:
         new_w = w - learning_rate * grad
     elif OPTIMIZER == 1:
-        m_ptrs = state_ptr + row_begin[:, None] + cols[None, :]
+        m_ptrs = state_ptr + row_begin + cols
         m = tl.load(m_ptrs, mask=update_mask, other=0.0) + grad * grad
         tl.store(m_ptrs, m, mask=update_mask)
         new_w = w - tl.div_rn(learning_rate * grad, tl.sqrt_rn(m) + eps)
@@ -204,17 +189,17 @@ def _tbe_update_kernel(
         if WEIGHT_DECAY_MODE == 1:
             h = grad + weight_decay * w
         h = tl.where(col_mask, h, 0.0)
-        mean_square = tl.div_rn(tl.reduce(h * h, 1, _add), tl.maximum(dim, 1).to(tl.float32))
+        mean_square = tl.div_rn(tl.reduce(h * h, 0, _add), dim.to(tl.float32))
         m = tl.load(state_ptr + key, mask=leader, other=0.0) + mean_square
         tl.store(state_ptr + key, m, mask=leader)
         multiplier = tl.div_rn(learning_rate, tl.sqrt_rn(m) + eps)
         if WEIGHT_DECAY_MODE == 1:
             correction = 1.0 - multiplier * weight_decay
         elif WEIGHT_DECAY_MODE == 2:
-            correction = multiplier * 0.0 + (1.0 - learning_rate * weight_decay)
+            correction = 1.0 - learning_rate * weight_decay
         else:
-            correction = multiplier * 0.0 + 1.0
-        new_w = correction[:, None] * w - multiplier[:, None] * grad
+            correction = 1.0
+        new_w = correction * w - multiplier * grad
     _store_rounded(w_ptrs, new_w, update_mask)
 
 
@@ -338,20 +323,6 @@ def _tile(max_d: int, ids_per_group: float, *, whole_row: bool) -> tuple[int, in
     return block_l, block_d, num_warps
 
 
-def _update_tile(max_d: int) -> tuple[int, int, int, int]:
-    """(BLOCK_R, BLOCK_L, BLOCK_D, num_warps) of the fused backward: a whole row (``BLOCK_D``), 4
-    occurrences of a row per step (``BLOCK_L``: most rows occur a few times; a hot row takes more
-    steps), and as many sorted positions (``BLOCK_R``, up to 16) as fit 4096 values per tile (1024
-    under the interpreter, where a tile's cost is its size)."""
-    block_d = _next_pow2(max_d)
-    block_l = 4
-    budget = 1024 if interpreted() else 4096
-    block_r = max(1, min(16, budget // (block_l * block_d)))
-    size = block_r * block_l * block_d
-    num_warps = 8 if size >= 8192 else 4 if size >= 2048 else 2 if size >= 512 else 1
-    return block_r, block_l, block_d, num_warps
-
-
 def tbe_forward(weights: torch.Tensor, layout: TBELayout, indices: torch.Tensor, offsets: torch.Tensor,
                 per_sample_weights: torch.Tensor | None = None, *, pooling: str = "sum",
                 validate: bool = True) -> torch.Tensor:
@@ -415,14 +386,15 @@ def tbe_backward_update_(grad_output: torch.Tensor, weights: torch.Tensor, state
         return
     offsets = offsets.contiguous()
     bag_of_id, sorted_keys, order, segment_end = sorted_ids(layout, indices, offsets, batch)
-    block_r, block_l, block_d, num_warps = _update_tile(layout.max_D)
+    # most rows occur a few times (uniform ids); a hot row loops over more tiles
+    block_l, block_d, num_warps = _tile(layout.max_D, 4, whole_row=True)
     psw = per_sample_weights.contiguous() if per_sample_weights is not None else weights
-    _tbe_update_kernel[(triton.cdiv(num_ids, block_r),)](
+    _tbe_update_kernel[(num_ids,)](
         grad_output.contiguous(), weights, state if optimizer.kind != "sgd" else weights,
         layout.weights_offsets, layout.D_offsets, layout.feature_table_map,
         indices.contiguous(), offsets, psw, bag_of_id, sorted_keys, order, segment_end,
-        learning_rate, num_ids, batch, layout.total_D, float(optimizer.eps), float(optimizer.weight_decay),
+        learning_rate, batch, layout.total_D, float(optimizer.eps), float(optimizer.weight_decay),
         OPTIMIZER=OPTIMIZERS.index(optimizer.kind), WEIGHT_DECAY_MODE=optimizer.weight_decay_mode,
         WEIGHTED=per_sample_weights is not None, MEAN=pooling == "mean",
-        BLOCK_R=block_r, BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_L=block_l, BLOCK_D=block_d, num_warps=num_warps,
     )
