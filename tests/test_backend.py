@@ -76,9 +76,12 @@ class TestExplainAndMixedPrecision(TestCase):
         spec = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         g = compiled_stages(stack(), fsdp_plan(**spec), (torch.randn(4, 8, dtype=torch.bfloat16),))
         fw = g["forward"]
-        # the local fp32 shard is cast to bf16, then gathered as bf16
-        self.assertRegex(fw, r'convert_element_type[^\n]*\n[^\n]*"bf16\[16\]" = torch.ops.aten.view.default|"bf16\[16\]"')
-        self.assertRegex(fw, r'all_gather_into_tensor[^\n]*"bf16\[64\]"|"bf16\[64\]" = torch.ops._c10d_functional.all_gather')
+        # the local fp32 shard is cast to bf16 as it is packed, then gathered as bf16; nothing in fp32
+        self.assertIn('primals_1: "f32[2, 8]"', fw)
+        self.assertRegex(fw, r'pack: "bf16\[16\]" = torch\.ops\.graphshard\.pack\.default\(\[primals_1\], \[16\], '
+                             r'torch\.bfloat16\)')
+        self.assertRegex(fw, r'"bf16\[64\]" = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(pack, 4, ')
+        self.assertNotRegex(fw, r'"f32\[\d+\]" = torch\.ops\._c10d_functional\.all_gather')
         bw = g["backward"]
         self.assertRegex(bw, r'"f32\[16\]" = torch.ops._c10d_functional.reduce_scatter_tensor')
 

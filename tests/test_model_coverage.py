@@ -83,13 +83,23 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("coverage_case", selected(metafunc.config))
 
 
+EXPECTED_GRAPH_BREAKS = {
+    # architecture -> the only reason its own code breaks the graph (dynamo counts them; any other
+    # break, or one in another architecture, fails the case)
+    "gpt2": "logging.Logger method not supported",  # HF's GPT-2 logs a warning inside its forward
+}
+
+
 def test_architecture_matches_single_process(coverage_results, coverage_case):
     r = coverage_results[coverage_case]
     if not r["ok"]:  # the whole message: pytest shortens a long dict in an assertion
         pytest.fail(f"{coverage_case}: {r.get('error')}: {r.get('message')}\n"
                     f"{ {k: v for k, v in r.items() if k not in ('traceback', 'message')} }\n"
                     f"{r.get('traceback', '')[-4000:]}", pytrace=False)
-    assert r["graph_breaks"] == 0 or r["new_graphs"] == 0, r
+    assert r["new_graphs"] == 0, r  # no recompile after the first step
+    expected = EXPECTED_GRAPH_BREAKS.get(coverage_case.split(":")[0])
+    unexpected = [reason for reason in r["graph_break_reasons"] if expected is None or expected not in reason]
+    assert not unexpected, f"{coverage_case}: {r['graph_breaks']} graph breaks: {r['graph_break_reasons']}"
 
 
 def test_regional_and_whole_graph_lowering_agree(coverage_results, request):

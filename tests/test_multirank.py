@@ -155,6 +155,7 @@ def test_tensor_parallel_matches_torchs_parallelize_module(tp_results):
     r = tp_results["torch_tp:tp"]
     assert r["torch_vs_ref_loss"] < TOL and r["ours_vs_ref_loss"] < TOL, r
     assert r["ours_vs_torch_loss"] < TOL and r["ours_vs_torch_params"] < TOL, r
+    assert r["ours_vs_ref_params"] < TOL, r
 
 
 def test_torch_tensor_parallel_cannot_run_hard_coded_heads(tp_results):

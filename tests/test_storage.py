@@ -65,8 +65,17 @@ def test_optimizer_and_grad_clipping_work_on_the_sharded_parameters():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(4, 16)).sum().backward()
     assert all(isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters())
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    before = {n: (p.placements, p.to_local().clone()) for n, p in model.named_parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    assert bool(torch.isfinite(norm)) and float(norm) > 0, norm
     opt.step()
+    for n, p in model.named_parameters():  # still DTensors where they were; every shard stepped
+        placements, local = before[n]
+        assert isinstance(p, DTensor) and p.placements == placements, n
+        assert bool(torch.isfinite(p.to_local()).all()) and not torch.equal(p.to_local(), local), n
+        exp_avg = opt.state[p]["exp_avg"]
+        assert isinstance(exp_avg, DTensor) and exp_avg.placements == placements, n
 
 
 def test_axis_records_the_backend_that_runs_it():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import datetime
-import math
 import sys
 import time
 import traceback
@@ -32,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 import graphshard
 import hf_archs
+from _compare import dict_err, seq_err
 from _runner import run_cases
 from graphshard import tensor_parallel as gtp
 from graphshard._compat import dynamo_counters
@@ -108,17 +108,13 @@ def run_case(case: str) -> dict:
     ref_losses = [l.item() for l in train(ref, batches)]
     mine_p, ref_p = full_params(model), full_params(ref)
     assert list(mine_p) == list(ref_p), (list(mine_p), list(ref_p))
-    param_err, worst = 0.0, None
-    for k in ref_p:
-        d = (mine_p[k] - ref_p[k]).abs().max().item()
-        if not d <= param_err:  # NaN counts as the worst
-            param_err, worst = d, k
-    loss_err = max(abs(a - b) if not (math.isnan(a) or math.isnan(b)) else math.inf
-                   for a, b in zip(losses, ref_losses))
+    param_err, worst = dict_err(mine_p, ref_p)
+    loss_err = seq_err(losses, ref_losses)
     fallbacks = sorted({f for r in model._graphshard.explain for f in r.fallbacks})
     ok = loss_err <= TOL and param_err <= TOL and new_graphs == 0
     return {"case": case, "ok": ok, "losses": losses, "loss_err": loss_err, "param_err": param_err, "worst_param": worst,
             "new_graphs": new_graphs, "graph_breaks": sum(counters["graph_break"].values()),
+            "graph_break_reasons": sorted({r.split("\n")[0][:200] for r in counters["graph_break"]}),
             "fallbacks": fallbacks, "seconds": round(seconds, 1)}
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _compare import seq_err, tensor_err
 from _runner import run_cases
 
 STEPS = 4
@@ -508,7 +509,7 @@ def run(case: str) -> dict:
     ref_state = {k: v.detach() for k, v in ref.state_dict().items()}
 
     def diff(a: dict, b: dict) -> dict:
-        return {k: float((a[k] - b[k]).abs().max()) for k in b if k in a and a[k].is_floating_point()}
+        return {k: tensor_err(a[k], b[k]) for k in b if k in a and a[k].is_floating_point()}
 
     return {
         "case": case,
@@ -516,14 +517,14 @@ def run(case: str) -> dict:
         "keys_torchrec": sorted(tr_state) if tr_state else None,
         "torchrec_error": tr_error,
         "keys_reference": sorted(ref_state),
-        "loss_gs_ref": max(abs(a - b) for a, b in zip(gs_losses, ref_losses)),
-        "loss_tr_ref": max(abs(a - b) for a, b in zip(tr_losses, ref_losses)) if tr_losses else None,
-        "loss_gs_tr": max(abs(a - b) for a, b in zip(gs_losses, tr_losses)) if tr_losses else None,
+        "loss_gs_ref": seq_err(gs_losses, ref_losses),
+        "loss_tr_ref": seq_err(tr_losses, ref_losses) if tr_losses else None,
+        "loss_gs_tr": seq_err(gs_losses, tr_losses) if tr_losses else None,
         "param_gs_ref": diff(gs_state, ref_state),
         "param_tr_ref": diff(tr_state, ref_state) if tr_state else None,
         "param_gs_tr": diff(gs_state, tr_state) if tr_state else None,
         "tables": _table_fqns(model),
-        "moved": {k: float((ref_state[k] - init[k]).abs().max()) for k in ref_state if k in init},
+        "moved": {k: tensor_err(ref_state[k], init[k]) for k in ref_state if k in init},
         "explain": report,
         "graphs": sum(1 for line in report.splitlines() if line.startswith("graph ")),
         "plans_equal": len(set(plans)) == 1,

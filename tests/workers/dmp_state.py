@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import dmp as common
+from _compare import tensor_err, worst
 from _runner import run_cases
 
 MODEL, OPT = "dlrm", "rowwise_adagrad"
@@ -92,7 +93,7 @@ def _full_state(model) -> dict:
 
 def _diff(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    return worst(tensor_err(a[k], b[k]) for k in a)
 
 
 def run(case: str) -> dict:
@@ -127,7 +128,7 @@ def run(case: str) -> dict:
         return {"case": case, "reshard_diff": _diff(loaded, saved), "next_loss_diff": abs(next_a[0] - next_b[0]),
                 "optim_resume_diff": _diff(_full_state(same), _full_state(gs)),
                 "optim_entries": len(gs.fused_optimizer.state_dict()["state"]),
-                "trained": max(float((saved[k] - v).abs().max()) for k, v in base.state_dict().items())}
+                "trained": worst(tensor_err(saved[k], v) for k, v in base.state_dict().items())}
     if case == "load_other_world":  # the 2-rank "dcp" checkpoint, on this world size, plan A
         saved = torch.load(os.path.join(out_dir, "full.pt"))
         gs = _gs(base, plan_a, world)
@@ -160,7 +161,7 @@ def run(case: str) -> dict:
         into_gs = _diff(_full_state(fresh), _full_state(tr))
         return {"case": case, "reshard_diff": reshard, "next_loss_diff": abs(next_a[0] - next_b[0]),
                 "graphshard_to_torchrec": into_tr, "torchrec_to_graphshard": into_gs,
-                "trained": max(float((saved[k] - v).abs().max()) for k, v in seq.state_dict().items())}
+                "trained": worst(tensor_err(saved[k], v) for k, v in seq.state_dict().items())}
     if case == "interchange":
         tr = _tr(base, world)
         _init_torchrec(tr, base.state_dict())

@@ -28,6 +28,7 @@ import torch.nn as nn
 if any("nofbgemm" in case for case in sys.argv[1:]):
     sys.modules["fbgemm_gpu"] = None  # `import fbgemm_gpu` raises ImportError from here on
 
+from _compare import seq_err, tensor_err  # noqa: E402
 from _runner import run_cases  # noqa: E402
 from dmp import _full as _full_1d  # noqa: E402  # a state-dict entry as the full tensor on every rank (1-D meshes)
 
@@ -159,8 +160,8 @@ def run(case: str) -> dict:
     ref_state, ref_losses = reference(base, optimizer, dp_world, chosen)
     return {"case": case, "keys": sorted(state), "ref_keys": sorted(ref_state), "chosen": chosen,
             "notes": list(plan.notes),
-            "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "params": {k: float((state[k] - ref_state[k]).abs().max()) for k in ref_state if k in state},
+            "loss": seq_err(losses, ref_losses),
+            "params": {k: tensor_err(state[k], ref_state[k]) for k in ref_state if k in state},
             "explain": graphshard.explain(model) if rank == 0 else "",
             "fbgemm_loaded": sys.modules.get("fbgemm_gpu") is not None or hasattr(torch.ops.fbgemm, "permute_2D_sparse_data")}
 

@@ -31,6 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from _compare import seq_err, tensor_err, worst
 from _runner import run_cases
 from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch
 
@@ -159,15 +160,15 @@ def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
     with FSDP.summon_full_params(fsdp, writeback=True):
         named = list(fsdp.named_parameters())
         shapes = {n: list(p.shape) for n, p in named}
-        value_err = max((p.detach() - sd[n.replace("_fsdp_wrapped_module.", "")]).abs().max().item() for n, p in named)
+        value_err = worst(tensor_err(p, sd[n.replace("_fsdp_wrapped_module.", "")]) for n, p in named)
         with torch.no_grad():
             for _, p in named:
                 p.add_(1.0)
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         after = fsdp.state_dict()
     user_names = {n.replace("_fsdp_wrapped_module.", "") for n in shapes}
-    written = max((after[k] - sd[k] - 1.0).abs().max().item() for k in after if after[k].is_floating_point()
-                  and k in user_names)
+    written = worst(tensor_err(after[k] - 1.0, sd[k]) for k in after if after[k].is_floating_point()
+                    and k in user_names)
     # writeback=False: torch discards the changes, unless it does not shard (NO_SHARD, world size 1)
     with FSDP.summon_full_params(fsdp, writeback=False):
         with torch.no_grad():
@@ -175,7 +176,7 @@ def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
                 p.add_(1.0)
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         again = fsdp.state_dict()
-    persisted = max((again[k] - after[k]).abs().max().item() for k in user_names) > 0.5
+    persisted = worst(tensor_err(again[k], after[k]) for k in user_names) > 0.5
     return {"shapes": shapes, "value_err": value_err, "writeback_err": written, "no_writeback_persisted": persisted}
 
 
@@ -213,7 +214,7 @@ def fsdp_args(strategy: str, prefetch: str, params: str, flags: list[str]) -> di
 
 
 def _diff(a: dict, b: dict) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
+    return worst(tensor_err(a[k], b[k]) for k in b)
 
 
 def run_case(case: str) -> dict:
@@ -244,8 +245,8 @@ def run_case(case: str) -> dict:
             continue
         results[name] = sd
         out[f"{name}_losses"], out[f"{name}_norms"] = losses, norms
-        out[f"{name}_loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        out[f"{name}_norm_err"] = max((abs(a - b) for a, b in zip(norms, ref_norms)), default=0.0)
+        out[f"{name}_loss_err"] = seq_err(losses, ref_losses)
+        out[f"{name}_norm_err"] = seq_err(norms, ref_norms)
         out[f"{name}_param_err"] = _diff(sd, ref_sd)
         out[f"{name}_keys_match"] = list(sd) == list(ref_sd)
         out[f"{name}_names"] = names
@@ -254,9 +255,8 @@ def run_case(case: str) -> dict:
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
-        out["between_loss_err"] = max(abs(a - b) for a, b in zip(out["graphshard_losses"], out["torch_losses"]))
-        out["between_norm_err"] = max((abs(a - b) for a, b in zip(out["graphshard_norms"], out["torch_norms"])),
-                                      default=0.0)
+        out["between_loss_err"] = seq_err(out["graphshard_losses"], out["torch_losses"])
+        out["between_norm_err"] = seq_err(out["graphshard_norms"], out["torch_norms"])
     return out
 
 

@@ -42,6 +42,7 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from _compare import tensor_err, worst
 from _runner import run_cases
 from graphshard.fsdp import FullyShardedDataParallel as GraphshardFSDP
 from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch
@@ -191,30 +192,30 @@ def t_err(a, b) -> float:
     a, b = _full(a), _full(b)
     if tuple(a.shape) != tuple(b.shape):
         return math.inf
-    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    return tensor_err(a, b)
 
 
 def sd_err(a: dict, b: dict) -> tuple[float, str]:
     if set(a) != set(b):
         return math.inf, f"keys differ: {sorted(set(a) ^ set(b))}"
-    return max((t_err(a[k], b[k]) for k in b), default=0.0), ""
+    return worst(t_err(a[k], b[k]) for k in b), ""
 
 
 def osd_err(a: dict, b: dict) -> tuple[float, str]:
     """Largest state difference; inf if the FQNs, state names or param_groups (params as sets) differ."""
     if set(a["state"]) != set(b["state"]):
         return math.inf, f"state keys differ: {sorted(map(str, set(a['state']) ^ set(b['state'])))}"
-    worst = 0.0
+    err = 0.0
     for k, sb in b["state"].items():
         sa = a["state"][k]
         if set(sa) != set(sb):
             return math.inf, f"{k}: state names {sorted(sa)} vs {sorted(sb)}"
         for n, vb in sb.items():
-            worst = max(worst, t_err(sa[n], vb) if torch.is_tensor(vb) else (0.0 if sa[n] == vb else math.inf))
+            err = worst([err, t_err(sa[n], vb) if torch.is_tensor(vb) else (0.0 if sa[n] == vb else math.inf)])
     groups = [[{**g, "params": sorted(g["params"])} for g in x["param_groups"]] for x in (a, b)]
     if groups[0] != groups[1]:
         return math.inf, f"param_groups differ: {groups[0]} vs {groups[1]}"
-    return worst, ""
+    return err, ""
 
 
 def check_sd(r: Result, name: str, a, b):

@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 import graphshard
+from _compare import scalar_err, tensor_err, worst
 from _runner import run_cases
 from graphshard.testing.models import MLP, SharedBlockMLP, Transformer, TransformerConfig, lm_loss, token_batch
 
@@ -142,7 +143,7 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean /= world
-        loss_err = max(loss_err, abs(mean.item() - ref_loss.item()))
+        loss_err = worst([loss_err, scalar_err(mean.item(), ref_loss.item())])
     param_err, names = 0.0, []
     ref_params = dict(ref.named_parameters())
     sharded = getattr(model, "_orig_mod", model)
@@ -151,7 +152,7 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         p = getattr(sharded.get_submodule(owner), attr)  # a view of the flat parameter under "flat"
         assert isinstance(p, DTensor), f"{name} is not a DTensor"
         full = p.full_tensor()
-        param_err = max(param_err, (full - ref_params[name]).abs().max().item())
+        param_err = worst([param_err, tensor_err(full, ref_params[name])])
         names.append(name)
     counters = dynamo_counters()
     frames = [None] * world

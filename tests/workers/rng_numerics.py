@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 import graphshard
+from _compare import seq_err, tensor_err, worst
 from _runner import run_cases
 from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
 from graphshard.testing.models import DropoutMLP
@@ -91,7 +92,7 @@ def spread(t: torch.Tensor, group) -> float:
     """The largest difference between the ranks of ``group`` in ``t``."""
     ts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(ts, t.contiguous(), group=group)
-    return max((a - ts[0]).abs().max().item() for a in ts)
+    return worst(tensor_err(a, ts[0]) for a in ts)
 
 
 def tp_replicated(p, tp_dim: int) -> bool:
@@ -180,8 +181,8 @@ def run(case: str) -> dict:
                 parts = [(100 + leader, batches)]
             _REFERENCES[strategy] = reference(init, solo, parts)
         ref_losses, ref_params = _REFERENCES[strategy]
-        out["loss_err"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        out["param_err"] = max((params[n] - ref_params[n]).abs().max().item() for n in params)
+        out["loss_err"] = seq_err(losses, ref_losses)
+        out["param_err"] = worst(tensor_err(params[n], ref_params[n]) for n in params)
     return out
 
 

@@ -35,6 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import graphshard
+from _compare import seq_err, tensor_err, worst
 from _runner import run_cases
 from graphshard import tensor_parallel as gtp
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
@@ -102,7 +103,7 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 def max_diff(a: dict, b: dict) -> float:
     assert list(a) == list(b), (list(a), list(b))
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return worst(tensor_err(a[k], b[k]) for k in a)
 
 
 def run_case(case: str) -> dict:
@@ -145,7 +146,7 @@ def run_case(case: str) -> dict:
         losses = (t / world).tolist()  # every tp rank of a dp group has the same loss
     out = {
         "case": case,
-        "loss_err": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "loss_err": seq_err(losses, ref_losses),
         "param_err": max_diff(full_params(model), full_params(ref)),
         "dtensor_params": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
         "names": [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()],
@@ -179,9 +180,9 @@ def torch_comparison(plan_name: str) -> dict:
         torch_fails_on_fixed_heads = str(e).splitlines()[0][:200]
     return {
         "case": f"torch_tp:{plan_name}",
-        "ours_vs_ref_loss": max(abs(a - b) for a, b in zip(our_losses, ref_losses)),
-        "torch_vs_ref_loss": max(abs(a - b) for a, b in zip(their_losses, ref_losses)),
-        "ours_vs_torch_loss": max(abs(a - b) for a, b in zip(our_losses, their_losses)),
+        "ours_vs_ref_loss": seq_err(our_losses, ref_losses),
+        "torch_vs_ref_loss": seq_err(their_losses, ref_losses),
+        "ours_vs_torch_loss": seq_err(our_losses, their_losses),
         "ours_vs_torch_params": max_diff(full_params(ours), full_params(theirs)),
         "ours_vs_ref_params": max_diff(full_params(ours), full_params(ref)),
         "torch_fails_on_fixed_heads": torch_fails_on_fixed_heads,
