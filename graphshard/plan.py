@@ -288,6 +288,15 @@ class Resolution:
     io: dict[int, tuple[str, ModuleIO]]       # by module identity: declared activation layouts (styles)
 
 
+def _normalized(placement: Placement, ndim: int) -> Placement:
+    """``placement`` with a negative dim counted from the front (``Shard(-1)`` of a matrix is ``Shard(1)``)."""
+    if isinstance(placement, StridedShard) and placement.dim < 0:
+        return StridedShard(placement.dim + ndim, placement.split_factor)
+    if isinstance(placement, _S) and placement.dim < 0:
+        return _S(placement.dim + ndim)
+    return placement
+
+
 def resolve(model: nn.Module, plan: Plan) -> Resolution:
     """Match plan keys to modules and give every planned parameter (by identity) its layout.
 
@@ -362,6 +371,7 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
 
     # Model-parallel placements per parameter.
     mp_place: dict[int, dict[str, Placement]] = {}
+    mp_source: dict[tuple[int, str], tuple[str, object]] = {}  # (param, axis) -> the module FQN and spec that set it
     planned: set[int] = set()
     for mid, entries in mp_of_module.items():
         for mfqn, spec in entries:
@@ -386,7 +396,17 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
                         f"{mfqn}.{pname}: {placement!r} needs dim {placement.dim} (size {p.shape[placement.dim]}) "
                         f"to be {placement.split_factor} equal blocks; give the number of fused projections"
                     )
-                mp_place.setdefault(id(p), {})[plan.spec_axis(spec)] = placement
+                axis = plan.spec_axis(spec)
+                prev = mp_place.get(id(p), {}).get(axis)
+                if prev is not None and _normalized(prev, p.dim()) != _normalized(placement, p.dim()):
+                    src_fqn, src_spec = mp_source[(id(p), axis)]
+                    raise ValueError(
+                        f"{mfqn}.{pname}: {spec!r} under {mfqn!r} places it {placement!r} on mesh axis {axis!r}, "
+                        f"but {src_spec!r} under {src_fqn!r} places it {prev!r}; a parameter gets one placement "
+                        "per axis: fix the plan keys so one of them matches it"
+                    )
+                mp_place.setdefault(id(p), {})[axis] = placement
+                mp_source.setdefault((id(p), axis), (mfqn, spec))
 
     layouts: dict[int, ParamLayout] = {}
     orphans = []

@@ -69,10 +69,11 @@ its own copy), so both wrappers differ from the single process, and must agree w
 BATCHNORM = [c for c in TWO_RANK if c.startswith("bn:")]
 """A BatchNorm normalizes each rank's batch (no SyncBatchNorm), so both wrappers differ from
 the single process on the global batch and must agree with each other."""
-BF16_TOL = 2e-3
-"""4 SGD steps at lr 0.05 on gradients computed in bf16 (eps 2**-7) move a parameter by at
-most ~0.05 * 4 * 2**-7 = 1.6e-3 more in one run than in another: the bound between two bf16
-runs whose kernels round differently (torch's eager ops, graphshard's Inductor code)."""
+BF16_SHARE = 0.8
+"""How close graphshard's bf16 run must be to torch's, as a share of the whole effect of bf16 on
+the program (``bf16_effect``: torch's FSDP1 with MixedPrecision against itself without, same
+run). Two bf16 runs whose kernels round differently (torch's eager ops, graphshard's) differ by
+about 0.56 of that effect here; a wrapper that ignored ``param_dtype`` would differ by about 1.0."""
 
 
 @pytest.mark.parametrize("case", BATCHNORM)
@@ -88,8 +89,11 @@ def test_mixed_precision_and_batchnorm_as_in_torch(results, case):
         assert r["graphshard_grad_dtypes"] == r["torch_grad_dtypes"], r
     assert r["graphshard_buffer_dtypes"] == r["torch_buffer_dtypes"], r
     assert r["graphshard_sd_dtypes"] == r["torch_sd_dtypes"], r
-    tol = BF16_TOL if ":bf16" in case else TOL
-    assert r["between_param_err"] < tol, r
+    if ":bf16" in case:
+        assert r["bf16_effect"] > 1e-4, r  # bf16 changes this program measurably
+        assert r["between_param_err"] < BF16_SHARE * r["bf16_effect"], r
+    else:
+        assert r["between_param_err"] < TOL, r
     if ":bf16" in case:
         assert "torch.bfloat16" in r["graphshard_buffer_dtypes"].values(), r
 

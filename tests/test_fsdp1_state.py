@@ -128,7 +128,6 @@ def test_flat_state_is_each_parameters_local_chunk_in_its_slot():
     """optim_state_dict_to_load lays full state out as the flat parameter: this rank's chunk of
     each parameter at its slot's offset, the padding zero; ``step`` one value per unit."""
     from graphshard.fsdp import FullyShardedDataParallel as FSDP
-    from graphshard.ops import local_chunk
 
     fsdp, opt = _wrapped()
     osd = _full_osd(fsdp, opt)
@@ -140,7 +139,8 @@ def test_flat_state_is_each_parameters_local_chunk_in_its_slot():
         used = torch.zeros(unit.param.numel(), dtype=torch.bool)
         for slot in unit.slots:
             info = state.infos[slot.key]
-            want = local_chunk(osd["state"][info.fqn]["exp_avg"], 0, 4, 0)
+            # rank 0 of 4 holds torch.chunk's first piece of the full state (FSDP1's layout)
+            want = torch.chunk(osd["state"][info.fqn]["exp_avg"], 4, dim=0)[0]
             assert torch.equal(st["exp_avg"].narrow(0, slot.offset, slot.numel).view(slot.shape), want), info.fqn
             used[slot.offset:slot.offset + slot.numel] = True
         assert not st["exp_avg"][~used].any()

@@ -23,6 +23,7 @@ def saved(tmp_path_factory):
 def test_dcp_reloads_under_another_plan(saved):
     _, r = saved
     assert r["dcp"]["trained"] > 1e-3
+    assert r["dcp"]["reader_start_diff"] > 1.0  # the reader began elsewhere: every value came from the load
     assert r["dcp"]["reshard_diff"] == 0.0 and r["dcp"]["next_loss_diff"] == 0.0, r["dcp"]
 
 
@@ -65,6 +66,6 @@ def test_torchrec_state_interchanges(saved):
 def test_embedding_collection_state(tmp_path):
     # its own process, beside the DLRM checkpoint's
     (r,) = torchrun("dmp_state.py", [str(tmp_path), "sequence"], nproc=2)
-    assert r["trained"] > 1e-3
+    assert r["trained"] > 1e-3 and r["reader_start_diff"] > 1.0
     assert r["reshard_diff"] == 0.0 and r["next_loss_diff"] == 0.0, r  # DCP across plans
     assert r["graphshard_to_torchrec"] == 0.0 and r["torchrec_to_graphshard"] == 0.0, r

@@ -37,9 +37,9 @@ def _embedding_plan(**spec_kwargs):
 
 @pytest.mark.parametrize("bag, match", [
     (nn.EmbeddingBag(10, 8, mode="sum", padding_idx=0),
-     r"^bag: nn\.EmbeddingBag\(padding_idx=0\) is not supported sharded$"),
+     r"^bag: nn\.EmbeddingBag\(padding_idx=0\) is not supported sharded: drop the padding id from the bags"),
     (nn.EmbeddingBag(10, 8, mode="sum", max_norm=1.0),
-     r"^bag: nn\.EmbeddingBag\(max_norm=1\.0\) is not supported sharded$"),
+     r"^bag: nn\.EmbeddingBag\(max_norm=1\.0\) is not supported sharded: renormalize the rows outside"),
     # nn.Embedding is refused before its padding_idx / max_norm are looked at, with the fix
     (nn.Embedding(10, 8, padding_idx=0),
      r"^bag is a Embedding; ShardEmbedding shards nn\.EmbeddingBag "
@@ -94,17 +94,23 @@ def test_two_globs_conflicting_tensor_parallel_styles():
         graphshard.shard(mlp(), plan)
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception,
-                   reason="not refused yet (DID NOT RAISE): two keys laying one parameter out differently on one "
-                          "axis; the later key silently wins (graphshard/plan.py, resolve: "
-                          "mp_place.setdefault(id(p), {})[plan.spec_axis(spec)] = placement)")
 @pytest.mark.parametrize("first", [graphshard.ShardParams("tp", weight=Shard(0)),
                                    graphshard.ShardParams("tp", weight=Replicate()), ColwiseParallel()],
                          ids=["ShardParams-Shard0", "ShardParams-Replicate", "ColwiseParallel"])
 def test_two_globs_conflicting_shard_params(first):
     plan = graphshard.Plan(mesh1d("tp"), {"fc1": first, "fc*": graphshard.ShardParams("tp", weight=Shard(1))})
-    with pytest.raises(ValueError, match=r"'fc1'.*fix the plan keys|'fc1'.*keep one key"):
+    with pytest.raises(ValueError, match=r"^fc1\.weight: .* under 'fc1' places it .* on mesh axis 'tp', but .* under "
+                                         r"'fc1' places it .*; a parameter gets one placement per axis: fix the plan keys"):
         graphshard.shard(mlp(), plan)
+
+
+def test_two_globs_agreeing_on_a_placement_are_accepted():
+    # the same placement from two keys (Shard(-1) is Shard(1) of a matrix) is no conflict
+    plan = graphshard.Plan(mesh1d("tp"), {"fc1": graphshard.ShardParams("tp", weight=Shard(1)),
+                                          "fc*": graphshard.ShardParams("tp", weight=Shard(-1))})
+    model = mlp()
+    graphshard.shard(model, plan)
+    assert model.fc1.weight.placements == (Shard(1),)
 
 
 # ---- an invalid lower= ----
@@ -202,6 +208,12 @@ class TestDistributedModelParallel:
                                                       r"on 'cpu' \(gloo\) or 'cuda' \(NCCL\)$"):
             self._dmp(model, plan, device=device)
 
+    @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a CUDA device")
+    def test_cuda_without_a_gpu(self):
+        model, plan = self._model_and_plan()
+        with pytest.raises(ValueError, match=r"^device=cuda: this torch sees no CUDA device .*; use device='cpu'"):
+            self._dmp(model, plan, device="cuda")
+
     def test_mixed_fused_and_fused_triton_kernels(self):
         model, plan = self._model_and_plan(kernel_a="fused", kernel_b="fused_triton")
         with pytest.raises(NotImplementedError, match=r"^ebc: tables \['a'\] use compute kernel 'fused' and \['b'\] "
@@ -220,5 +232,7 @@ class TestDistributedModelParallel:
             lengths=torch.tensor([1, 1, 2, 1, 0, 1]), stride_per_key_per_rank=[[2], [1], [3]],
             inverse_indices=(["f0", "f1", "f2"], torch.tensor([[0, 1, 1], [0, 0, 0], [0, 1, 2]])))
         assert kjt.variable_stride_per_key()
-        with pytest.raises(NotImplementedError, match=r"^ebc: a KeyedJaggedTensor with a variable batch per feature$"):
+        with pytest.raises(NotImplementedError, match=r"^ebc: a KeyedJaggedTensor with a variable batch per feature "
+                                                        r"\(stride_per_key_per_rank\) is not supported yet; give every "
+                                                        r"feature the batch's stride"):
             dmp(kjt)

@@ -40,6 +40,9 @@ def _device(device) -> torch.device:
     rank's current device, as TorchRec takes it."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device}: this torch sees no CUDA device (a CPU-only build, or no GPU); use "
+                             "device='cpu' (gloo)")
         return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     if device.type != "cpu":
         raise NotImplementedError(f"device={device}: graphshard's DistributedModelParallel runs on 'cpu' (gloo) or "

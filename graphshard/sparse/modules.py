@@ -101,7 +101,10 @@ def _shard_module(fqn: str, mod: nn.Module, spec: ShardEmbedding, plan: Plan) ->
         raise NotImplementedError(f"{fqn}: nn.EmbeddingBag(mode={mod.mode!r}); sharded bags pool by 'sum' or 'mean'")
     for attr in ("padding_idx", "max_norm"):
         if getattr(mod, attr) is not None:
-            raise NotImplementedError(f"{fqn}: nn.EmbeddingBag({attr}={getattr(mod, attr)}) is not supported sharded")
+            fix = ("drop the padding id from the bags (or give it weight 0 in per_sample_weights)"
+                   if attr == "padding_idx" else "renormalize the rows outside the model, or leave this table unsharded")
+            raise NotImplementedError(f"{fqn}: nn.EmbeddingBag({attr}={getattr(mod, attr)}) is not supported sharded: "
+                                      f"{fix}")
     if spec.optimizer not in _OPTIMIZERS:
         raise ValueError(f"{fqn}: ShardEmbedding optimizer {spec.optimizer!r}; expected one of {_OPTIMIZERS}")
     if spec.kernel not in ("auto", "fbgemm", "triton"):

@@ -132,7 +132,9 @@ def _checked_keys(layout: CollectionLayout, features) -> list[str]:
             f"module looks up {list(layout.features)}"
         )
     if features.variable_stride_per_key():
-        raise NotImplementedError(f"{layout.fqns[0]}: a KeyedJaggedTensor with a variable batch per feature")
+        raise NotImplementedError(f"{layout.fqns[0]}: a KeyedJaggedTensor with a variable batch per feature "
+                                  "(stride_per_key_per_rank) is not supported yet; give every feature the batch's "
+                                  "stride (empty bags for the samples a feature lacks)")
     return keys
 
 

@@ -9,7 +9,14 @@ from typing import Callable
 import torch.distributed as dist
 
 
-def run_cases(cases: list[str], run: Callable[[str], dict], timeout: datetime.timedelta | None = None) -> None:
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long a rank waits in one collective by default: a rank that never joins one (a hang, a
+crash on another rank) fails the job with gloo's error naming the collective within minutes,
+instead of at the launcher's 15-minute limit. Longer than any compile a peer may be doing."""
+
+
+def run_cases(cases: list[str], run: Callable[[str], dict],
+              timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
     """Runs each case on every rank; rank 0 prints ``RESULT <json>`` (what tests/_launch.py reads).
     ``timeout`` bounds every collective (a rank that never joins one fails the job instead of hanging)."""
     dist.init_process_group("gloo", timeout=timeout)

@@ -87,6 +87,17 @@ def _init_torchrec(tr, init: dict) -> None:
                     s.tensor.copy_(init[k][r:r + nr, c:c + nc])
 
 
+def _reader(model: str = MODEL):
+    """The model with other weights than the writer's (every value 7 + noise, far from any trained
+    one), so a reader passes only if the load writes every value, untrained rows included."""
+    m = common.build(model)
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(7.0 + 0.1 * torch.randn(p.shape, generator=g))
+    return m
+
+
 def _full_state(model) -> dict:
     return {k: common._full(v) for k, v in model.state_dict().items()}
 
@@ -109,7 +120,8 @@ def run(case: str) -> dict:
         dcp.save(gs.state_dict(), checkpoint_id=path)
         if rank == 0:
             torch.save(saved, os.path.join(out_dir, "full.pt"))
-        other = _gs(base, _plan_b, world)
+        other = _gs(_reader(), _plan_b, world)
+        reader_start = _diff(_full_state(other), saved)
         state = other.state_dict()
         dcp.load(state, checkpoint_id=path)
         other.load_state_dict(state)
@@ -117,7 +129,7 @@ def run(case: str) -> dict:
         # the same plan, with the fused optimizer's state: the next step is the same step
         full_path = os.path.join(out_dir, "dcp_with_optim")
         dcp.save({"model": gs.state_dict(), "optim": gs.fused_optimizer.state_dict()}, checkpoint_id=full_path)
-        same = _gs(common.build(MODEL), plan_a, world)
+        same = _gs(_reader(), plan_a, world)
         both = {"model": same.state_dict(), "optim": same.fused_optimizer.state_dict()}
         dcp.load(both, checkpoint_id=full_path)
         same.load_state_dict(both["model"])
@@ -126,12 +138,13 @@ def run(case: str) -> dict:
         next_b = common._train(other, MODEL, range(2, 3), rank, world)
         next_c = common._train(same, MODEL, range(2, 3), rank, world)
         return {"case": case, "reshard_diff": _diff(loaded, saved), "next_loss_diff": abs(next_a[0] - next_b[0]),
+                "reader_start_diff": reader_start,
                 "optim_resume_diff": _diff(_full_state(same), _full_state(gs)),
                 "optim_entries": len(gs.fused_optimizer.state_dict()["state"]),
                 "trained": worst(tensor_err(saved[k], v) for k, v in base.state_dict().items())}
     if case == "load_other_world":  # the 2-rank "dcp" checkpoint, on this world size, plan A
         saved = torch.load(os.path.join(out_dir, "full.pt"))
-        gs = _gs(base, plan_a, world)
+        gs = _gs(_reader(), plan_a, world)
         state = gs.state_dict()
         dcp.load(state, checkpoint_id=os.path.join(out_dir, "dcp"))
         gs.load_state_dict(state)
@@ -143,23 +156,25 @@ def run(case: str) -> dict:
         saved = _full_state(gs)
         path = os.path.join(out_dir, "seq_dcp")
         dcp.save(gs.state_dict(), checkpoint_id=path)
-        other = _gs(common.build("seq"), _seq_plan_b, world, "seq")
+        other = _gs(_reader("seq"), _seq_plan_b, world, "seq")
+        reader_start = _diff(_full_state(other), saved)
         state = other.state_dict()
         dcp.load(state, checkpoint_id=path)
         other.load_state_dict(state)
         reshard = _diff(_full_state(other), saved)
         next_a = common._train(gs, "seq", range(2, 3), rank, world)
         next_b = common._train(other, "seq", range(2, 3), rank, world)
-        tr = _tr(common.build("seq"), world, "seq")
+        tr = _tr(_reader("seq"), world, "seq")
         state = tr.state_dict()
         dcp.load(state, checkpoint_id=path)  # graphshard's checkpoint into TorchRec's DMP
         tr.load_state_dict(state)
         into_tr = _diff(_full_state(tr), saved)
         common._train(tr, "seq", range(2, 4), rank, world)
-        fresh = _gs(common.build("seq"), lambda m, w: common._plan("seq", m, w), world, "seq")
+        fresh = _gs(_reader("seq"), lambda m, w: common._plan("seq", m, w), world, "seq")
         fresh.load_state_dict(tr.state_dict())  # TorchRec's state dict (ShardedTensors) into graphshard's
         into_gs = _diff(_full_state(fresh), _full_state(tr))
         return {"case": case, "reshard_diff": reshard, "next_loss_diff": abs(next_a[0] - next_b[0]),
+                "reader_start_diff": reader_start,
                 "graphshard_to_torchrec": into_tr, "torchrec_to_graphshard": into_gs,
                 "trained": worst(tensor_err(saved[k], v) for k, v in seq.state_dict().items())}
     if case == "interchange":
@@ -167,14 +182,14 @@ def run(case: str) -> dict:
         _init_torchrec(tr, base.state_dict())
         common._train(tr, MODEL, range(2), rank, world)
         tr_state = _full_state(tr)
-        gs = _gs(common.build(MODEL), plan_a, world)  # another initialization: everything comes from the load
+        gs = _gs(_reader(), plan_a, world)  # other weights: everything must come from the load
         gs.load_state_dict(tr.state_dict())
         into_gs = _diff(_full_state(gs), tr_state)
         common._train(gs, MODEL, range(2, 3), rank, world)
         gs_state = _full_state(gs)
         path = os.path.join(out_dir, "gs_to_tr")
         dcp.save(gs.state_dict(), checkpoint_id=path)
-        tr2 = _tr(common.build(MODEL), world)
+        tr2 = _tr(_reader(), world)
         state = tr2.state_dict()
         dcp.load(state, checkpoint_id=path)
         tr2.load_state_dict(state)

@@ -253,6 +253,11 @@ def run_case(case: str) -> dict:
         (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
          out[f"{name}_buffer_dtypes"], out[f"{name}_summon"], out[f"{name}_grad_dtypes"]) = reductions
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
+    if args["bf16"] and "torch" in results:
+        # the whole effect of bf16 on this program: torch's FSDP1 with and without MixedPrecision.
+        # A wrapper that ignored param_dtype would sit that far from torch's bf16 run.
+        *_, fp32_sd, _, _ = train(TorchFSDP, copy.deepcopy(base), block, logits, {**args, "bf16": False}, sl)
+        out["bf16_effect"] = _diff(results["torch"], fp32_sd)
     if len(results) == 2:
         out["between_param_err"] = _diff(results["graphshard"], results["torch"])
         out["between_loss_err"] = seq_err(out["graphshard_losses"], out["torch_losses"])

@@ -205,6 +205,8 @@ def _probe(strategy: str, lower: str, mesh, tp_group) -> dict:
         "probe_replicated_diff": spread(replicated, tp_group),
         "probe_sharded_diff": spread(sharded, tp_group),
         "probe_drop_rate": (sharded == 0).float().mean().item(),
+        # torch's dropout of ones: every value 0 or 1 / (1 - p), nothing else
+        "probe_values": sorted({round(v, 6) for v in torch.cat([sharded.flatten(), replicated.flatten()]).tolist()}),
     }
     if strategy == "fsdp_tp":
         dp_group = mesh.get_group("dp")

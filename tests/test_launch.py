@@ -1,0 +1,20 @@
+"""A multi-rank test job whose ranks disagree fails in seconds to minutes, not at the launcher's limit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _launch import launch
+
+pytestmark = pytest.mark.multirank
+
+
+def test_a_rank_that_never_joins_a_collective_fails_the_job_at_the_timeout():
+    t0 = time.perf_counter()
+    results, proc = launch("hang.py", ["5"], nproc=2, timeout=300)
+    seconds = time.perf_counter() - t0
+    assert proc.returncode != 0 and not results, proc.stdout[-2000:]
+    assert seconds < 120, seconds  # the 5 s collective timeout ended it, not rank 1's 600 s sleep
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
