@@ -204,9 +204,12 @@ class Plan:
             if not isinstance(key, str):
                 raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
             if not isinstance(spec, _SPEC_TYPES):
+                torch_style = type(spec).__module__.startswith("torch.distributed.tensor.parallel")
                 raise ValueError(
                     f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...), "
                     "ShardEmbedding(...) or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
+                    + (f": torch's {type(spec).__name__} is eager-only; use graphshard.tensor_parallel."
+                       f"{type(spec).__name__}, which takes the same arguments" if torch_style else "")
                 )
         styled = any(isinstance(s, ParallelStyle) for s in rules.values())
         if mesh.mesh_dim_names is not None:

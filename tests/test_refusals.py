@@ -236,3 +236,11 @@ class TestDistributedModelParallel:
                                                         r"\(stride_per_key_per_rank\) is not supported yet; give every "
                                                         r"feature the batch's stride"):
             dmp(kjt)
+
+
+def test_torchs_own_tensor_parallel_style_names_graphshards():
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+
+    with pytest.raises(ValueError, match=r"^plan key 'fc1' has spec .*: torch's ColwiseParallel is eager-only; use "
+                                         r"graphshard\.tensor_parallel\.ColwiseParallel, which takes the same arguments$"):
+        graphshard.Plan(mesh1d("tp"), {"fc1": TorchColwise()})
