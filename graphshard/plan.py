@@ -208,8 +208,9 @@ class Plan:
                 raise ValueError(
                     f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...), "
                     "ShardEmbedding(...) or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
-                    + (f": torch's {type(spec).__name__} is eager-only; use graphshard.tensor_parallel."
-                       f"{type(spec).__name__}, which takes the same arguments" if torch_style else "")
+                    + (f": torch's {type(spec).__name__} is for torch's parallelize_module; a graphshard plan takes "
+                       f"graphshard.tensor_parallel.{type(spec).__name__}, which has the same arguments"
+                       if torch_style else "")
                 )
         styled = any(isinstance(s, ParallelStyle) for s in rules.values())
         if mesh.mesh_dim_names is not None:
