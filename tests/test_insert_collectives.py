@@ -98,3 +98,28 @@ class <lambda>(torch.nn.Module):
         text = graph_after(model, plan, (torch.randn(2, 8, 16),), "insert_collectives")
         gathered = next(l.split(":")[0].strip() for l in text.splitlines() if "unshard_default_1[0]" in l)
         self.assertIn(f"graphshard.grad_all_reduce.default({gathered}, 'tp', 2)", text)
+
+
+def _units_of(order: list[str], kind: str) -> list[str]:
+    return [e[len(kind) + 1:-1] for e in order if e.startswith(kind + "(")]
+
+
+def test_one_all_gather_and_one_reduce_scatter_per_unit_at_any_depth():
+    # FSDP's invariant, not a count read off a golden graph: each unit is gathered once in the
+    # forward; in the backward each unit's gradient is reduce-scattered once and each unit resharded
+    # after forward is gathered again once (the root is not resharded: it keeps its gather).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from graphshard.testing.models import Transformer, TransformerConfig
+
+    for depth in (2, 4):
+        model = Transformer(TransformerConfig(vocab_size=32, dim=16, n_layers=depth, n_heads=2, max_seq_len=8))
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        spec = graphshard.FullyShard()
+        graphshard.compile(model, graphshard.Plan(mesh, {"layers.*": spec, "": spec}), lower="eager")
+        model(torch.randint(0, 32, (2, 8))).sum().backward()
+        (report,) = model._graphshard.explain
+        layers = [f"layers.{i}" for i in range(depth)]
+        assert sorted(_units_of(report.order["forward"], "all_gather")) == sorted(["<root>", *layers]), depth
+        assert sorted(_units_of(report.order["backward"], "reduce_scatter")) == sorted(["<root>", *layers]), depth
+        assert sorted(_units_of(report.order["backward"], "all_gather")) == sorted(layers), depth
