@@ -13,4 +13,4 @@ PY=${PYTHON:-python3}
   exit 1
 }
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec "$PY" -m pytest tests -q "$@"
+exec "$PY" -m pytest tests -q --durations=15 "$@"   # the 15 slowest: where CI time goes
