@@ -330,19 +330,21 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
 
     # Unit specs: one per module object; a shared module is a unit once.
     unit_of_module: dict[int, tuple[str, UnitSpec, int]] = {}
-    mp_of_module: dict[int, list[tuple[str, ShardParams | ParallelStyle]]] = {}
+    mp_of_module: dict[int, list[tuple[str, ShardParams | ParallelStyle, str]]] = {}  # (fqn, spec, plan key)
     io: dict[int, tuple[str, ModuleIO]] = {}
-    style_of: dict[int, tuple[str, ParallelStyle]] = {}
+    style_of: dict[int, tuple[str, ParallelStyle, str]] = {}
+    unit_key: dict[int, str] = {}  # module -> the plan key of its unit spec
     for key, spec in plan.rules.items():
         if isinstance(spec, ShardEmbedding):
             continue  # graphshard.sparse.modules shards these before resolution
         for fqn, mod in matched[key]:
             if isinstance(spec, ParallelStyle):
-                prev = style_of.setdefault(id(mod), (fqn, spec))
+                prev = style_of.setdefault(id(mod), (fqn, spec, key))
                 if prev[1] != spec:
                     raise ValueError(
-                        f"module {fqn!r} is given two tensor-parallel styles ({prev[1]!r} under {prev[0]!r} and "
-                        f"{spec!r}); a module object gets one style: fix the plan keys"
+                        f"module {fqn!r} is given two tensor-parallel styles ({prev[1]!r} under {prev[0]!r} by plan "
+                        f"key {prev[2]!r} and {spec!r} by plan key {key!r}); a module object gets one style: fix "
+                        "the plan keys"
                     )
                 if prev[0] != fqn:
                     continue  # a shared module, reached again under another FQN: parallelized once
@@ -350,11 +352,13 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
                 if module_io is not None:
                     io[id(mod)] = (fqn, module_io)
             if isinstance(spec, (ShardParams, ParallelStyle)):
-                mp_of_module.setdefault(id(mod), []).append((fqn, spec))
+                mp_of_module.setdefault(id(mod), []).append((fqn, spec, key))
                 continue
             prev = unit_of_module.get(id(mod))
             if prev is not None and prev[1] != spec:
-                raise ValueError(f"module {fqn!r} is matched by two unit specs ({prev[1]} and {spec}); keep one key")
+                raise ValueError(f"module {fqn!r} is matched by two unit specs ({prev[1]} by plan key "
+                                 f"{unit_key[id(mod)]!r} and {spec} by plan key {key!r}); keep one key")
+            unit_key.setdefault(id(mod), key)
             depth = 0 if fqn == "" else fqn.count(".") + 1
             if prev is None or depth > prev[2]:
                 unit_of_module[id(mod)] = (fqn, spec, depth) if prev is None else (prev[0], spec, depth)
@@ -375,10 +379,10 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
 
     # Model-parallel placements per parameter.
     mp_place: dict[int, dict[str, Placement]] = {}
-    mp_source: dict[tuple[int, str], tuple[str, object]] = {}  # (param, axis) -> the module FQN and spec that set it
+    mp_source: dict[tuple[int, str], tuple[str, object, str]] = {}  # (param, axis) -> the FQN, spec and key that set it
     planned: set[int] = set()
     for mid, entries in mp_of_module.items():
-        for mfqn, spec in entries:
+        for mfqn, spec, mkey in entries:
             mod = modules[mfqn]
             local = dict(mod.named_parameters(recurse=False))
             planned.update(id(p) for p in local.values())
@@ -403,14 +407,14 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
                 axis = plan.spec_axis(spec)
                 prev = mp_place.get(id(p), {}).get(axis)
                 if prev is not None and _normalized(prev, p.dim()) != _normalized(placement, p.dim()):
-                    src_fqn, src_spec = mp_source[(id(p), axis)]
+                    src_fqn, src_spec, src_key = mp_source[(id(p), axis)]
                     raise ValueError(
-                        f"{mfqn}.{pname}: {spec!r} under {mfqn!r} places it {placement!r} on mesh axis {axis!r}, "
-                        f"but {src_spec!r} under {src_fqn!r} places it {prev!r}; a parameter gets one placement "
-                        "per axis: fix the plan keys so one of them matches it"
+                        f"{mfqn}.{pname}: plan key {mkey!r} ({spec!r} on {mfqn!r}) places it {placement!r} on mesh "
+                        f"axis {axis!r}, but plan key {src_key!r} ({src_spec!r} on {src_fqn!r}) places it {prev!r}; "
+                        "a parameter gets one placement per axis: fix the plan keys so they agree"
                     )
                 mp_place.setdefault(id(p), {})[axis] = placement
-                mp_source.setdefault((id(p), axis), (mfqn, spec))
+                mp_source.setdefault((id(p), axis), (mfqn, spec, mkey))
 
     layouts: dict[int, ParamLayout] = {}
     orphans = []

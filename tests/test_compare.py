@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from workers._compare import dict_err, dict_errs, scalar_err, seq_err, tensor_err, worst
+from workers._compare import dict_err, dict_errs, scalar_err, seq_err, tensor_err, value_err, worst
 
 NAN, INF = float("nan"), float("inf")
 TOL = 1e-5
@@ -54,7 +54,17 @@ def test_tensors():
 def test_state_dicts():
     want = {"w": torch.ones(2), "b": torch.zeros(1), "step": torch.tensor(3)}
     got = {"w": torch.ones(2), "b": torch.full((1,), NAN), "step": torch.tensor(3)}
-    assert dict_errs(got, want) == {"w": 0.0, "b": math.inf}
+    assert dict_errs(got, want) == {"w": 0.0, "b": math.inf, "step": 0.0}
     assert dict_err(got, want) == (math.inf, "b")
     assert dict_err(want, want) == (0.0, None)
     assert dict_err({"w": torch.ones(2)}, want) == (math.inf, "b")  # a missing key is a failure
+
+
+def test_values_that_are_not_floats_must_be_equal():
+    assert value_err(torch.tensor(3), torch.tensor(3)) == 0.0
+    assert value_err(torch.tensor(2), torch.tensor(3)) == math.inf  # an optimizer step that differs
+    assert value_err(torch.tensor([1, 2]), torch.tensor([1, 2, 3])) == math.inf
+    assert value_err(torch.tensor(1.0), 1.0) == math.inf  # a tensor against a number is a different value
+    assert value_err("adam", "adam") == 0.0 and value_err("adam", "sgd") == math.inf
+    assert value_err(0.5, NAN) == math.inf
+    assert dict_err({"step": torch.tensor(2)}, {"step": torch.tensor(3)}) == (math.inf, "step")

@@ -133,6 +133,8 @@ def test_flat_state_is_each_parameters_local_chunk_in_its_slot():
     osd = _full_osd(fsdp, opt)
     opt.load_state_dict(FSDP.optim_state_dict_to_load(fsdp, opt, osd))
     state = fsdp._graphshard
+    assert len(state.flat) == 3  # the root and its two layers
+    assert sum(len(u.slots) for u in state.flat.values()) == len(state.infos)  # every parameter has a slot
     for unit in state.flat.values():
         st = opt.state[unit.param]
         assert st["step"].item() == 3.0 and st["exp_avg"].shape == unit.param.shape
@@ -152,11 +154,19 @@ def test_orig_params_state_is_a_dtensor_like_its_parameter():
     from graphshard.fsdp import FullyShardedDataParallel as FSDP
 
     fsdp, opt = _wrapped(use_orig_params=True)
-    opt.load_state_dict(FSDP.optim_state_dict_to_load(fsdp, opt, _full_osd(fsdp, opt)))
-    for p in fsdp.parameters():
+    osd = _full_osd(fsdp, opt)
+    opt.load_state_dict(FSDP.optim_state_dict_to_load(fsdp, opt, osd))
+    seen = 0
+    for name, p in fsdp.named_parameters():
         st = opt.state[p]
         assert isinstance(st["exp_avg"], DTensor) and st["exp_avg"].placements == p.placements
         assert st["exp_avg"].to_local().shape == p.to_local().shape
+        full = osd["state"][name.replace("_fsdp_wrapped_module.", "")]
+        for key in ("exp_avg", "exp_avg_sq"):  # rank 0 of 4: torch.chunk's first piece of the full state
+            assert torch.equal(st[key].to_local(), torch.chunk(full[key], 4, dim=0)[0]), (name, key)
+        assert float(st["step"]) == float(full["step"]) == 3.0, name
+        seen += 1
+    assert seen == len(list(fsdp.parameters())) > 0
 
 
 def _set_step(osd):

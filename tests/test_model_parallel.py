@@ -92,7 +92,7 @@ def test_compiled_once_for_dynamic_ids(results):
     # the first step compiles for its sizes, the second generalizes them (the ids per batch are
     # dynamic); no recompile after, no graph break. Every model in a process compiles the same
     # way (each model's forward is its own code object for dynamo)
-    for case in CASES:
+    for case in CASES + FOUR_RANK:
         assert results[case]["graphs"] == 2, results[case]["explain"]
 
 
@@ -125,3 +125,9 @@ def test_auto_plan_is_the_same_on_every_rank_and_explained(results):
     r = results["dlrm:rowwise_adagrad:auto"]
     assert r["plans_equal"] and set(r["sharding"]) == {"t_tw", "t_mean", "t_rw", "t_cw", "t_dp"}, r["sharding"]
     assert r["explain"].startswith("plan notes:\n  auto_plan: memory_budget 64.0 KiB per rank"), r["explain"][:2000]
+
+
+def test_fused_triton_runs_the_triton_kernel(results):
+    # parity alone would not show which kernel ran: explain names it (fbgemm's is the unnamed default)
+    assert "triton kernel" in results["dlrm:rowwise_adagrad:triton"]["explain"]
+    assert "triton kernel" not in results["dlrm:rowwise_adagrad"]["explain"]

@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from torch.distributed.tensor import Shard
 
 import graphshard
@@ -100,10 +101,14 @@ def test_strided_shard_needs_equal_blocks():
 
 def test_strided_shard_is_stored_as_dtensors_strided_shard():
     plan = graphshard.Plan(mesh1d("tp"), {"fc1": graphshard.ShardParams("tp", weight=graphshard.StridedShard(0, 2))})
-    model = graphshard.shard(mlp(), plan)
+    model = mlp()
+    full = model.fc1.weight.detach().clone()
+    graphshard.shard(model, plan)
     w = model.fc1.weight
     assert w.shape == (32, 16) and w.to_local().shape == (8, 16)
     assert type(w.placements[0]).__name__ == "_StridedShard" and w.placements[0].split_factor == 2
+    # rank 0 of 4 holds the first quarter of each of the 2 blocks (rows 0:4 and 16:20), by hand
+    assert torch.equal(w.to_local(), torch.cat([full[0:4], full[16:20]]))
 
 
 def test_ignored_params_leave_parameters_alone_and_name_a_glob_that_matches_nothing():

@@ -52,7 +52,8 @@ def test_shard_embedding_refuses_padding_idx_and_max_norm(bag, match):
     model = Bags(bag)
     with pytest.raises(NotImplementedError, match=match):
         graphshard.shard(model, _embedding_plan())
-    assert isinstance(model.bag.weight, nn.Parameter) and state_of(model) is None  # left as it was
+    assert state_of(model) is None  # left as it was: nothing sharded
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
 # ---- a mesh axis the mesh does not have ----
@@ -75,6 +76,7 @@ def test_shard_dim_beyond_rank(placement, shown):
     with pytest.raises(ValueError, match=rf"^fc1\.weight: {shown} is out of range for shape \(32, 16\)$"):
         graphshard.shard(model, plan)
     assert state_of(model) is None
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
 
 
 # ---- two globs giving one module conflicting specs ----
@@ -82,15 +84,17 @@ def test_two_globs_conflicting_unit_specs():
     plan = graphshard.Plan(mesh1d("dp"), {"layers.*": graphshard.FullyShard(), "layers.0": graphshard.Replicate(),
                                           "": graphshard.FullyShard()})
     with pytest.raises(ValueError, match=r"^module 'layers\.0' is matched by two unit specs "
-                                         r"\(FullyShard\(.*\) and Replicate\(.*\)\); keep one key$"):
+                                         r"\(FullyShard\(.*\) by plan key 'layers\.\*' and Replicate\(.*\) by plan "
+                                         r"key 'layers\.0'\); keep one key$"):
         graphshard.shard(tiny_transformer(), plan)
 
 
 def test_two_globs_conflicting_tensor_parallel_styles():
     plan = graphshard.Plan(mesh1d("tp"), {"fc*": ColwiseParallel(), "fc1": RowwiseParallel()})
     with pytest.raises(ValueError, match=r"^module 'fc1' is given two tensor-parallel styles "
-                                         r"\(ColwiseParallel\(.*\) under 'fc1' and RowwiseParallel\(.*\)\); "
-                                         r"a module object gets one style: fix the plan keys$"):
+                                         r"\(ColwiseParallel\(.*\) under 'fc1' by plan key 'fc\*' and "
+                                         r"RowwiseParallel\(.*\) by plan key 'fc1'\); a module object gets one style: "
+                                         r"fix the plan keys$"):
         graphshard.shard(mlp(), plan)
 
 
@@ -99,8 +103,9 @@ def test_two_globs_conflicting_tensor_parallel_styles():
                          ids=["ShardParams-Shard0", "ShardParams-Replicate", "ColwiseParallel"])
 def test_two_globs_conflicting_shard_params(first):
     plan = graphshard.Plan(mesh1d("tp"), {"fc1": first, "fc*": graphshard.ShardParams("tp", weight=Shard(1))})
-    with pytest.raises(ValueError, match=r"^fc1\.weight: .* under 'fc1' places it .* on mesh axis 'tp', but .* under "
-                                         r"'fc1' places it .*; a parameter gets one placement per axis: fix the plan keys"):
+    with pytest.raises(ValueError, match=r"^fc1\.weight: plan key 'fc\*' \(.* on 'fc1'\) places it .* on mesh axis "
+                                         r"'tp', but plan key 'fc1' \(.* on 'fc1'\) places it .*; a parameter gets one "
+                                         r"placement per axis: fix the plan keys so they agree$"):
         graphshard.shard(mlp(), plan)
 
 

@@ -1,3 +1,4 @@
+import copy
 import functools
 import re
 from unittest import mock
@@ -413,10 +414,11 @@ class TestSettingsKeepNumerics(TestCase):
         for coalesced in (False, True):
             for kw in settings:
                 torch._dynamo.reset()
-                graphs = {}
+                graphs, unscheduled = {}, {}
 
                 @functools.wraps(schedule)
-                def capture(gm, ctx, graphs=graphs):
+                def capture(gm, ctx, graphs=graphs, unscheduled=unscheduled):
+                    unscheduled[ctx.stage] = copy.deepcopy(gm)  # the pass reorders gm in place
                     graphs[ctx.stage] = schedule(gm, ctx)
                     return graphs[ctx.stage]
 
@@ -427,15 +429,17 @@ class TestSettingsKeepNumerics(TestCase):
                                        return_value=coalesced), \
                         mock.patch.object(schedule_module, "schedule_overlap", capture):
                     compiled_stages(model, plan, (torch.randn(4, 10),), **kw)
-                values = {}
+                values, reference = {}, {}
                 for stage, gm in graphs.items():
                     gm.graph.lint()
                     values[stage] = _StandIns(gm).run(*_inputs_for(gm))
+                    # the same graph before scheduling: the reference is not an output of the pass
+                    reference[stage] = _StandIns(unscheduled[stage]).run(*_inputs_for(unscheduled[stage]))
                     orders.add((coalesced, stage, tuple(n.name for n in gm.graph.nodes)))
-                results.append((coalesced, kw, values))
+                results.append((coalesced, kw, values, reference))
         self.assertGreater(len(orders), 6)  # the settings did reorder
-        for coalesced, kw, values in results:
-            reference = next(v for c, _, v in results if c == coalesced)
+        for coalesced, kw, values, reference in results:
+            self.assertEqual(set(values), {"forward", "backward"})
             for stage in ("forward", "backward"):
                 with self.subTest(coalesced=coalesced, stage=stage, **kw):
                     for got, want in zip(values[stage], reference[stage], strict=True):

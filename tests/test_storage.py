@@ -1,5 +1,7 @@
 """Sharded storage: DTensor parameters under the user's FQNs, shared objects sharded once."""
 
+import math
+
 import pytest
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -53,10 +55,15 @@ def test_model_parallel_params_are_sharded_over_their_axis():
     from _models import tp_mlp_plan
 
     model = mlp()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
     graphshard.shard(model, tp_mlp_plan())
     assert model.fc1.weight.placements == (Shard(0),) and model.fc1.weight.to_local().shape == (8, 16)
     assert model.fc2.weight.placements == (Shard(1),) and model.fc2.weight.to_local().shape == (8, 8)
     assert model.fc2.bias.placements[0].is_replicate()
+    # rank 0 of 4 holds torch.chunk's first piece of each sharded parameter, the whole replicated one
+    assert torch.equal(model.fc1.weight.to_local(), full["fc1.weight"].chunk(4, 0)[0])
+    assert torch.equal(model.fc2.weight.to_local(), full["fc2.weight"].chunk(4, 1)[0])
+    assert torch.equal(model.fc2.bias.to_local(), full["fc2.bias"])
 
 
 def test_optimizer_and_grad_clipping_work_on_the_sharded_parameters():
@@ -102,8 +109,9 @@ def test_flat_params_replace_a_units_parameters_by_one_flat_shard():
     layer = model.layers[0]
     infos = [model._graphshard.info_for_fqn(f"layers.0.{n}") for n in ("attn_norm.weight", "attn.wq.weight", "ffn.w1.weight")]
     assert flat["layers.0._flat_param"].dim() == 1
-    assert flat["layers.0._flat_param"].numel() == sum(i.chunk_rows * i.row_numel for i in model._graphshard.infos.values()
-                                                        if i.layout.unit == "layers.0")
+    logical = [i.logical_shape for i in model._graphshard.infos.values() if i.layout.unit == "layers.0"]
+    # each parameter's rows padded to 4 equal chunks, by hand from the logical shapes
+    assert flat["layers.0._flat_param"].numel() == sum(-(-s[0] // 4) * math.prod(s[1:]) for s in logical)
     wq = layer.attn.wq.weight
     assert isinstance(wq, DTensor) and wq.placements == (Shard(0),) and wq.shape == infos[1].logical_shape
     assert wq.to_local().untyped_storage().data_ptr() == flat["layers.0._flat_param"].untyped_storage().data_ptr()

@@ -91,6 +91,9 @@ class <lambda>(torch.nn.Module):
         all_reduce_default: "f32[2, 8, 16]" = torch.ops.graphshard.all_reduce.default(_unsafe_view_9, 'tp', 4);  _unsafe_view_9 = None
         return (add_2,)
 """)
+        # the views themselves: q, k and v as (batch 2, seq 8, 1 local head of 4, head_dim 4), by hand
+        self.assertIn('"f32[2, 8, 1, 4]"', text)
+        self.assertNotIn('"f32[2, 8, 4, 4]"', text)  # no view left with the 4 global heads
 
     def test_sequence_parallel_block(self):
         # Norms run on sequence shards; the row-parallel all-reduce becomes a reduce-scatter and the
@@ -197,6 +200,9 @@ def test_parallelize_module_returns_the_module_with_dtensor_parameters():
     wq, wo, w1 = model.layers[0].attn.wq.weight, model.layers[0].attn.wo.weight, model.layers[0].ffn.w1
     assert wq.placements == (Shard(0),) and wq.to_local().shape == (4, 16)
     assert wo.placements == (Shard(1),) and wo.to_local().shape == (16, 4)
+    ref = seeded(Transformer, TINY).layers[0]  # rank 0 of 4 holds torch.chunk's first piece
+    assert torch.equal(wq.to_local(), ref.attn.wq.weight.chunk(4, 0)[0])
+    assert torch.equal(wo.to_local(), ref.attn.wo.weight.chunk(4, 1)[0])
     assert w1.bias.placements == (Shard(0),) and model.layers[0].ffn.w2.bias.placements == (Replicate(),)
     assert model.layers[0].attn_norm.weight.placements == (Replicate(),)
     # the tied output weight is the vocabulary-sharded embedding, under both names

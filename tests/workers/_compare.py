@@ -51,10 +51,23 @@ def tensor_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-def dict_errs(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """``tensor_err`` per floating-point key of ``want``; a key ``got`` lacks is ``inf``."""
-    return {k: tensor_err(got[k], v) if k in got else math.inf
-            for k, v in want.items() if torch.is_tensor(v) and v.is_floating_point()}
+def value_err(a, b) -> float:
+    """``tensor_err`` for floating-point tensors; any other value (an integer tensor such as an
+    optimizer's ``step``, a number, a string) is 0.0 when equal and ``inf`` otherwise."""
+    if torch.is_tensor(a) and torch.is_tensor(b) and a.is_floating_point() and b.is_floating_point():
+        return tensor_err(a, b)
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return 0.0 if tuple(a.shape) == tuple(b.shape) and torch.equal(a.cpu(), b.cpu()) else math.inf
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return math.inf
+    if isinstance(a, float) or isinstance(b, float):
+        return scalar_err(a, b)
+    return 0.0 if a == b else math.inf
+
+
+def dict_errs(got: Mapping[str, object], want: Mapping[str, object]) -> dict[str, float]:
+    """``value_err`` per key of ``want``; a key ``got`` lacks is ``inf``."""
+    return {k: value_err(got[k], v) if k in got else math.inf for k, v in want.items()}
 
 
 def dict_err(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> tuple[float, str | None]:

@@ -205,7 +205,7 @@ def fsdp_args(strategy: str, prefetch: str, params: str, flags: list[str]) -> di
                   backward_prefetch={"pre": BackwardPrefetch.BACKWARD_PRE, "post": BackwardPrefetch.BACKWARD_POST,
                                      "none": None}[prefetch],
                   forward_prefetch="fwd" in flags, limit_all_gathers="nolimit" not in flags)
-    if strategy == "hybrid_shard":
+    if "hybrid" in strategy:  # HYBRID_SHARD and _HYBRID_SHARD_ZERO2: replicated over 2 groups of 2
         from torch.distributed.device_mesh import init_device_mesh
 
         kwargs["device_mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
