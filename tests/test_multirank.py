@@ -187,6 +187,13 @@ def test_random_ops_follow_placements(rng_results, case):
     assert r["replicated_diff"] == 0 and r["loss_diff_tp"] == 0, r
     # the draws are the logical program's: the run matches the model on one tp rank seeded like the group's first
     assert r["loss_err"] < TOL and r["param_err"] < TOL, r
+    if case.startswith("tp:"):  # ranks 2 and 3: a second job, checked by its own first rank
+        second = r["second_job"]
+        assert second["replicated_diff"] == 0 and second["loss_diff_tp"] == 0, second
+        assert second["loss_err"] < TOL and second["param_err"] < TOL, second
+        if case.endswith(":eager"):
+            assert second["probe_shape"] == [4, 6, 32] and not second["probe_halves_equal"], second
+            assert second["probe_values"] == [0.0, round(1 / 0.75, 6)], second
     if case.endswith(":eager"):
         assert r["probe_shape"] == [4, 6, 32], r  # the gathered (BATCH, SEQ, HIDDEN) mask
         assert not r["probe_halves_equal"], r  # shards draw their own values (for "tp": the same seed on every rank)
