@@ -296,6 +296,11 @@ def test_meta_device_model_is_materialized_by_reset_parameters():
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     fsdp = _wrap_plain(model)
     assert not any(p.is_meta for p in fsdp.parameters())
+    # reset_parameters ran (not to_empty's uninitialized memory): nn.Linear's bounds, 1/sqrt(fan_in)
+    for p in fsdp.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        assert bool(torch.isfinite(local).all()) and local.abs().max() <= 8 ** -0.5 + 1e-6, local
+        assert local.numel() < 2 or local.std() > 0, local
 
 
 def _wrap_plain(model, **kwargs):
