@@ -160,8 +160,10 @@ def test_errors_name_what_to_change():
         EmbeddingShardingPlanner(topology=_topology(2)).collective_plan(_dlrm(tables=2), _sharders())
 
 
-def test_collective_plan_is_rank_zeros_plan():
-    # rank 0 plans and broadcasts (on the fake group the broadcast delivers rank 0's own object)
+def test_collective_plan_returns_the_plan_on_the_fake_group():
+    # A smoke test: rank 0 plans and broadcasts, and on the fake group the broadcast delivers rank 0's
+    # own object, so this cannot show that ranks agree. That every rank gets rank 0's plan is checked
+    # on 2 gloo ranks: test_model_parallel.test_planned_plan_is_the_same_on_every_rank.
     planner = EmbeddingShardingPlanner(topology=_topology(dist.get_world_size()))
     collective = planner.collective_plan(_dlrm(tables=6), _sharders())
     local = EmbeddingShardingPlanner(topology=_topology(dist.get_world_size())).plan(_dlrm(tables=6), _sharders())
