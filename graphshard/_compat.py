@@ -755,4 +755,3 @@ def batched_cpp_kernels(*, enabled: bool = True, defer: bool = False):
             state.deferred, state.scopes = None, []
         if state.depth == 0:
             _remove_hooks()
-

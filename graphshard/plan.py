@@ -329,11 +329,10 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
         matched[key] = hits
 
     # Unit specs: one per module object; a shared module is a unit once.
-    unit_of_module: dict[int, tuple[str, UnitSpec, int]] = {}
+    unit_of_module: dict[int, tuple[str, UnitSpec, int, str]] = {}  # (fqn, spec, depth, plan key)
     mp_of_module: dict[int, list[tuple[str, ShardParams | ParallelStyle, str]]] = {}  # (fqn, spec, plan key)
     io: dict[int, tuple[str, ModuleIO]] = {}
     style_of: dict[int, tuple[str, ParallelStyle, str]] = {}
-    unit_key: dict[int, str] = {}  # module -> the plan key of its unit spec
     for key, spec in plan.rules.items():
         if isinstance(spec, ShardEmbedding):
             continue  # graphshard.sparse.modules shards these before resolution
@@ -357,11 +356,10 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
             prev = unit_of_module.get(id(mod))
             if prev is not None and prev[1] != spec:
                 raise ValueError(f"module {fqn!r} is matched by two unit specs ({prev[1]} by plan key "
-                                 f"{unit_key[id(mod)]!r} and {spec} by plan key {key!r}); keep one key")
-            unit_key.setdefault(id(mod), key)
+                                 f"{prev[3]!r} and {spec} by plan key {key!r}); keep one key")
             depth = 0 if fqn == "" else fqn.count(".") + 1
             if prev is None or depth > prev[2]:
-                unit_of_module[id(mod)] = (fqn, spec, depth) if prev is None else (prev[0], spec, depth)
+                unit_of_module[id(mod)] = (fqn, spec, depth, key) if prev is None else (prev[0], spec, depth, prev[3])
 
     fqns_of: dict[int, list[str]] = {}
     param_of: dict[int, nn.Parameter] = {}
@@ -372,7 +370,7 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
 
     # Bottom-up ownership: deepest unit first.
     owner: dict[int, tuple[str, UnitSpec]] = {}
-    for mid, (ufqn, spec, _) in sorted(unit_of_module.items(), key=lambda kv: -kv[1][2]):
+    for mid, (ufqn, spec, _, _) in sorted(unit_of_module.items(), key=lambda kv: -kv[1][2]):
         mod = modules[ufqn]
         for p in mod.parameters():
             owner.setdefault(id(p), (ufqn, spec))
@@ -434,12 +432,7 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
         placements = []
         for axis in plan.axis_names:
             if axis in plan.model_parallel_axes:
-                pl = mp_place.get(pid, {}).get(axis, _R())
-                if isinstance(pl, _S) and pl.dim < 0:
-                    pl = _S(pl.dim + p.dim())
-                elif isinstance(pl, StridedShard) and pl.dim < 0:
-                    pl = StridedShard(pl.dim + p.dim(), pl.split_factor)
-                placements.append(pl)
+                placements.append(_normalized(mp_place.get(pid, {}).get(axis, _R()), p.dim()))
             elif isinstance(spec, FullyShard) and axis == plan.shard_axis(spec):
                 placements.append(_S(0))
             else:

@@ -119,6 +119,12 @@ def test_forward_empty_batch():
 
 
 # ------------------------------------------------------------------------------------ fused backward
+_EVERY_OPTIMIZER_AND_POOLING = pytest.mark.parametrize(
+    "kind,weighted,pooling", [(k, w, p) for k in ("sgd", "adagrad", "rowwise_adagrad")
+                              for w, p in ((False, "sum"), (True, "sum"), (False, "mean"))],
+    ids=[f"{p}-{k}" for k in ("sgd", "adagrad", "rowwise_adagrad") for p in ("sum", "weighted_sum", "mean")])
+
+
 def _train(layout, optimizer, *, weighted, pooling, index_dtype=torch.int64, steps=3, dtype=torch.float32,
            module=None, seed=3):
     """``steps`` forward + fused updates of the Triton TBE, the reference and (if given) fbgemm's module, checking
@@ -143,9 +149,7 @@ def _train(layout, optimizer, *, weighted, pooling, index_dtype=torch.int64, ste
     return weights, state, ref_weights, ref_state
 
 
-@pytest.mark.parametrize("weighted,pooling", [(False, "sum"), (True, "sum"), (False, "mean")],
-                         ids=["sum", "weighted_sum", "mean"])
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+@_EVERY_OPTIMIZER_AND_POOLING
 def test_fused_update_matches_fbgemm_and_reference(kind, weighted, pooling):
     # (fbgemm's CPU backward ignores MEAN when given per-sample weights; that case is checked against the reference)
     layout = _layout()
@@ -193,9 +197,7 @@ def _plain_torch_step(layout, weights, ids, offsets, psw, grad, pooling, optimiz
     return new, states
 
 
-@pytest.mark.parametrize("weighted,pooling", [(False, "sum"), (True, "sum"), (False, "mean")],
-                         ids=["sum", "weighted_sum", "mean"])
-@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+@_EVERY_OPTIMIZER_AND_POOLING
 def test_one_step_matches_plain_torch_autograd(kind, weighted, pooling):
     layout = _layout()
     optimizer = TBEOptimizer(kind=kind, learning_rate=0.1, eps=1e-4)

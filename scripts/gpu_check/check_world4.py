@@ -201,21 +201,27 @@ def sparse(res, cfg, dev) -> None:
               f"{rec['out_shape']}")
 
 
-def sparse_world1(res, cfg, dev, dry: bool) -> None:
-    """The sparse plan on a real one-rank group (NCCL; gloo in the dry run), in a child process
-    (this one's default group is the fake one)."""
+def child_result(res, cmd: list[str], dry: bool, what: str) -> dict:
+    """Runs a world-1 child (``cmd``, plus ``--dry`` in the dry run) within the part's time and
+    returns the record it printed as its last ``@@result {json}`` line."""
     import json
-    import sys
 
     from check_common import child_env, run_launcher
 
-    cmd = [sys.executable, __file__, "--sparse-world1"] + (["--dry"] if dry else [])
-    rc, out = run_launcher(cmd, child_env(dry), res.left_s() - 2)
+    rc, out = run_launcher(cmd + (["--dry"] if dry else []), child_env(dry), res.left_s() - 2)
     lines = [l for l in out.splitlines() if l.startswith("@@result ")]
     if rc != 0 or not lines:
-        tail = "\n".join(out.strip().splitlines()[-3:])
-        raise RuntimeError(f"the world-1 sparse run exited {rc}: {tail[-600:]}")
-    rec = json.loads(lines[-1][len("@@result "):])
+        tail = "\n".join(out.strip().splitlines()[-4:])
+        raise RuntimeError(f"the world-1 {what} run exited {rc}: {tail[-800:]}")
+    return json.loads(lines[-1][len("@@result "):])
+
+
+def sparse_world1(res, cfg, dev, dry: bool) -> None:
+    """The sparse plan on a real one-rank group (NCCL; gloo in the dry run), in a child process
+    (this one's default group is the fake one)."""
+    import sys
+
+    rec = child_result(res, [sys.executable, __file__, "--sparse-world1"], dry, "sparse")
     res.fig(sparse_world1=rec)
     res.line(f"Sparse at world 1 ({'gloo' if dry else 'NCCL'}): loss {rec['loss']:.5f}")
     res.check("world-1 sparse step: output finite and of the batch's shape",
@@ -273,11 +279,10 @@ def dmp(res, cfg, dev) -> None:
 
 def dmp_world1(res, dry: bool) -> None:
     """``check_dmp_world1.py`` in a child process: losses and parameters against plain torch."""
-    import json
     import os
     import sys
 
-    from check_common import Skip, child_env, run_launcher
+    from check_common import Skip
 
     try:
         import fbgemm_gpu  # noqa: F401 - TorchRec's sharder types import it (the CPU build will do)
@@ -285,14 +290,10 @@ def dmp_world1(res, dry: bool) -> None:
     except ImportError as e:
         raise Skip(f"torchrec not importable ({type(e).__name__}: {e})") from None
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "check_dmp_world1.py")
-    rc, out = run_launcher([sys.executable, script] + (["--dry"] if dry else []), child_env(dry), res.left_s() - 2)
-    lines = [l for l in out.splitlines() if l.startswith("@@result ")]
-    if rc != 0 or not lines:
-        tail = "\n".join(out.strip().splitlines()[-4:])
-        raise RuntimeError(f"the world-1 DMP run exited {rc}: {tail[-800:]}")
-    rec = json.loads(lines[-1][len("@@result "):])
+    rec = child_result(res, [sys.executable, script], dry, "DMP")
     res.fig(dmp_world1=rec)
-    res.line(f"DMP at world 1 ({'gloo' if dry else 'NCCL'}): TorchRec {rec['dense']}; tables tw, rw, cw, {rec['rows']} rows x {rec['dim']}, fused row-wise Adagrad, dense SGD; batch {rec['batch']}, "
+    res.line(f"DMP at world 1 ({'gloo' if dry else 'NCCL'}): TorchRec {rec['dense']}; tables tw, rw, cw, "
+             f"{rec['rows']} rows x {rec['dim']}, fused row-wise Adagrad, dense SGD; batch {rec['batch']}, "
              f"{rec['steps']} steps; losses {', '.join(f'{l:.6f}' for l in rec['losses'])}")
     for line in rec["kernels"]:
         res.line(f"  - {line}")
