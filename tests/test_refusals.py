@@ -1,4 +1,4 @@
-"""The refusals the README promises, each reached through the public API as a user would reach it.
+"""The refusals the README and docs/frontends promise, each reached through the public API as a user would reach it.
 
 Each test asserts the error's type and that its message names the offending thing (FQN, argument
 or value) and, where the library gives one, the fix. Everything runs in this process on the fake
@@ -22,7 +22,7 @@ from graphshard.storage import state_of
 from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
 
 
-# ---- ShardEmbedding on a module it cannot shard (README: "padding_idx and max_norm are refused") ----
+# ---- ShardEmbedding on a module it cannot shard (docs/frontends: "padding_idx and max_norm are refused") ----
 class Bags(nn.Module):
     def __init__(self, bag: nn.Module):
         super().__init__()
