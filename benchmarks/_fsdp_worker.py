@@ -132,7 +132,7 @@ def build_graphshard_comm(model, mesh, lr) -> StepFn:
     state = model._graphshard
     units = []
     for unit, keys in state.units.items():
-        infos = [state.infos[k] for k in keys]
+        infos = [state.params[k] for k in keys]
         if infos and infos[0].shard is not None:
             shards = [model.get_parameter(info.fqn).to_local() for info in infos]
             grads = [torch.zeros(info.dp_full_shape, dtype=info.reduce_dtype, device=shards[0].device)

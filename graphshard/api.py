@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Literal
 
 import torch.nn as nn
 
-from graphshard.backend import graphshard_backend
+from graphshard.backend import make_backend
 from graphshard.config import CompileConfig
 from graphshard.explain import explain
 from graphshard.plan import Plan
@@ -27,6 +27,7 @@ def compile(
     dump_graphs: str | None = None,
     batch_cpp_kernels: bool = False,
     fast_isa_check: bool = False,
+    share_compile: bool = True,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 
@@ -38,13 +39,31 @@ def compile(
     config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, forward_prefetch=forward_prefetch,
                            backward_prefetch=backward_prefetch, regional=regional, strict=strict,
                            dump_graphs=dump_graphs, batch_cpp_kernels=batch_cpp_kernels,
-                           fast_isa_check=fast_isa_check)
+                           fast_isa_check=fast_isa_check, share_compile=share_compile)
     if state_of(model) is None:
         shard(model, plan)
     elif state_of(model).plan is not plan:
         raise ValueError(f"{type(model).__name__} is already sharded with another plan; shard a fresh model")
-    model.compile(backend=functools.partial(graphshard_backend, config=config))
-    return model
+    return compile_sharded(model, model, config)
 
 
-__all__ = ["compile", "shard", "explain"]
+def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -> nn.Module:
+    """The one place graphshard compiles: ``module`` (the sharded ``root`` itself, or a frontend's wrapper
+    around it) with the backend bound to ``root``'s `ShardedModel` and ``config``."""
+    module.compile(backend=make_backend(state_of(root), config))
+    return module
+
+
+def compile_config(frontend: str, base: CompileConfig | None = None, **options) -> CompileConfig:
+    """A frontend's ``**compile_options`` (`graphshard.compile`'s keywords) over ``base`` (what the
+    frontend's own arguments set); an unknown keyword is an error naming it."""
+    base = base or CompileConfig()
+    fields = {f.name for f in dataclasses.fields(CompileConfig)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise TypeError(f"{frontend} got unexpected keyword argument(s) {unknown}; the compile options it takes "
+                        f"are graphshard.compile's: {sorted(fields)}")
+    return dataclasses.replace(base, **options)
+
+
+__all__ = ["compile", "compile_config", "compile_sharded", "shard", "explain"]

@@ -36,22 +36,23 @@ from graphshard import _compat, grad_sync
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute, collective_kind
 from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
-from graphshard.ops import decompositions, ops
-from graphshard.params import lookup as lookup_param
+from graphshard.ops import compiling, decompositions, ops
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
 from graphshard.rng import KeyStream
+from graphshard.sharding import ShardedModel, model_for_key
 from graphshard.sparse.ops import lookup_args
-from graphshard.storage import axis_group, state_for_key
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
 
 
 def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, *,
-                       config: CompileConfig | None = None):
-    """Dynamo backend entry point (registered as ``"graphshard"`` by entry point)."""
+                       config: CompileConfig | None = None, models: tuple[ShardedModel, ...] = ()):
+    """Dynamo backend entry point: bound to a model and config by `make_backend` (every frontend), or
+    registered as ``"graphshard"`` by entry point (``torch.compile(model, backend="graphshard",
+    options={...})``), where the models are found from the graph's keys (`prepare`)."""
     try:
-        return _compile(gm, example_inputs, config or CompileConfig(**(options or {})))
+        return _compile(gm, example_inputs, config or CompileConfig(**(options or {})), tuple(models))
     except _compat.FAKE_TENSOR_FALLBACK_ERRORS as e:
         # dynamo turns these into a graph break and runs the graph eagerly, unsharded by any pass:
         # a silent fallback. graphshard stops with the reason instead.
@@ -62,16 +63,27 @@ def graphshard_backend(gm: fx.GraphModule, example_inputs, options: dict | None 
         ) from e
 
 
-def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig):
+def make_backend(model: ShardedModel, config: CompileConfig) -> Callable:
+    """The dynamo backend that compiles ``model`` (a sharded model's `ShardedModel`) with ``config``."""
+    return functools.partial(graphshard_backend, config=config, models=(model,))
+
+
+def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: tuple[ShardedModel, ...]):
+    with compiling({}):  # nothing of another compile's models is visible while this one traces
+        return _compile_bound(gm, example_inputs, config, models)
+
+
+def _compile_bound(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: tuple[ShardedModel, ...]):
     t0 = time.perf_counter()
-    prepared = prepare(gm, example_inputs, config)
+    prepared = prepare(gm, example_inputs, config, models)
     t1 = time.perf_counter()
     traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     t2 = time.perf_counter()
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
-    compiled = _aot_compile(traced, fake_inputs, prepared.ctx, prepared.states)
+    with compiling(prepared.ctx.params):
+        compiled = _aot_compile(traced, fake_inputs, prepared.ctx)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
@@ -142,37 +154,90 @@ class Prepared:
     ctx: PassContext
     fake_inputs: list
     dtensor_positions: list[int]
-    states: list  # the ShardedStates of the models whose parameters the graph reads
 
 
-def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig) -> Prepared:
+def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
+            models: tuple[ShardedModel, ...] = ()) -> Prepared:
+    """Traces ``gm`` to logical ATen and builds its pass context from ``models`` (the sharded models
+    the backend is bound to; by name, none: found from the graph's keys)."""
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
     if any(map(lookup_args, gm.graph.nodes)):  # a sequence lookup's output sizes are the data's
         _compat.allow_data_dependent_sizes(fake_mode)
     traced = _trace_to_aten(gm, fake_inputs, fake_mode)
-    keys = [n.args[1] for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.param.default]
-    layouts = [n for n in traced.graph.nodes if n.op == "call_function" and n.target == ops.layout.default]
-    state = state_for_key(keys[0]) if keys else state_for_key(layouts[0].args[1]) if layouts else None
-    report = GraphReport(index=len(state.explain) if state else next(_graph_ids))
-    if state is not None:
-        state.explain.append(report)
-    ctx = _context(keys, layouts, config, report, fake_mode)
-    ctx.graph_index = report.index
-    ctx.sparse = _sparse_collections(traced)
-    ctx.input_units = _input_units(traced)
-    ctx.input_requires_grad = [isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs]
-    states = list({id(s): s for s in map(state_for_key, keys) if s is not None}.values())
-    return Prepared(traced, ctx, fake_inputs, dtensor_positions, states)
+    markers = _nodes(traced, ops.param.default)
+    layouts = _nodes(traced, ops.layout.default)
+    bound = bool(models)
+    models = _models_of([n.args[1] for n in markers + layouts], models)
+    params = {k: p for m in models for k, p in m.params.items()}
+    report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids))
+    if models:
+        models[0].explain.append(report)
+    model_parallel, group_axes = _axes(markers, layouts, params, models)
+    ctx = PassContext(
+        config=config, models=models, params=params, model_parallel=model_parallel, group_axes=group_axes,
+        meshes={axis: mesh for m in reversed(models) for axis, mesh in m.meshes().items()},
+        sparse=_sparse_collections(traced, models, by_name=not bound), input_units=_input_units(traced, markers, params),
+        input_requires_grad=[isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs],
+        fake_mode=fake_mode, graph_index=report.index, report=report)
+    return Prepared(traced, ctx, fake_inputs, dtensor_positions)
 
 
-def _sparse_collections(gm: fx.GraphModule) -> dict:
-    """The embedding collections the graph looks up, by key (``shard_embeddings`` expands them)."""
-    from graphshard.sparse.collection import collection_for
+def _nodes(gm: fx.GraphModule, target) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
 
+
+def _models_of(keys: list[str], bound: tuple[ShardedModel, ...]) -> tuple[ShardedModel, ...]:
+    """The bound models, then those of the keys no bound model owns (a model compiled by name, or a
+    separately sharded submodule inside a compiled model): resolved once, here, at the entry."""
+    models = list(bound)
+    for key in dict.fromkeys(keys):
+        if any(m.owns(key) for m in models):
+            continue
+        model = model_for_key(key)
+        if model is None:
+            raise ValueError(f"the graph reads {key!r}, a parameter or layout of no live sharded model: the model it "
+                             "belonged to was freed, or the graph was captured before graphshard.shard; compile "
+                             "the model graphshard sharded")
+        models.append(model)
+    return tuple(models)
+
+
+def _axes(markers: list[fx.Node], layouts: list[fx.Node], params: dict, models) -> tuple[dict, dict]:
+    """The model-parallel axes the graph uses (by name) and the c10d group of every axis it uses."""
+    model_parallel, group_axes = {}, {}
+    for key in dict.fromkeys(n.args[1] for n in markers):
+        info = params[key]
+        for axis, _ in info.model_parallel:
+            model_parallel[axis.name] = axis
+        for axis in [info.shard, *info.replicate, *(a for a, _ in info.model_parallel)]:
+            if axis is not None:
+                group_axes[axis.name] = axis.group_name
+    for node in layouts:  # a module with declared layouts but no sharded parameter of its own
+        axis = node.args[2]
+        owner = next(m for m in models if m.owns(node.args[1]))
+        if axis not in model_parallel:
+            model_parallel[axis] = owner.axes[axis]
+            group_axes[axis] = model_parallel[axis].group_name
+    return model_parallel, group_axes
+
+
+def _sparse_collections(gm: fx.GraphModule, models: tuple[ShardedModel, ...], by_name: bool) -> dict:
+    """The embedding collections the graph looks up, by key (``shard_embeddings`` expands them): the
+    models' own; compiled by name, a graph that reads no dense parameter finds them by key."""
     keys = [a[4] for a in map(lookup_args, gm.graph.nodes) if a is not None]
-    return {k: collection_for(k) for k in keys}
+    owned = {c.layout.key: c for m in models for c in m.collections}
+    missing = [k for k in keys if k not in owned]
+    if missing and not by_name:
+        raise ValueError(f"the graph looks up the embedding collection(s) {missing}, which the compiled model's "
+                         "ShardedModel does not hold: shard the embedding modules with the model (a ShardEmbedding "
+                         "spec in its Plan, or DistributedModelParallel), not separately")
+    if missing:
+        from graphshard.sparse.collection import collection_for
+
+        owned.update({k: collection_for(k) for k in missing})
+    return {k: owned[k] for k in keys}
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
@@ -221,44 +286,20 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
     return traced
 
 
-def _input_units(gm: fx.GraphModule) -> list:
+def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> list:
     """For each graph input: the unit of the parameter it is the local shard of, or of the
     parameters it holds (a flat unit's parameter, which the markers read through views);
     None for data."""
     units = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target == ops.param.default:
-            source = n.args[0]
-            while source.op == "call_function" and getattr(source.target, "is_view", False):
-                source = source.args[0]  # a flat parameter's view (slice, view) back to the input
-            units[source] = lookup_param(n.args[1]).layout.unit
+    for n in markers:
+        source = n.args[0]
+        while source.op == "call_function" and getattr(source.target, "is_view", False):
+            source = source.args[0]  # a flat parameter's view (slice, view) back to the input
+        units[source] = params[n.args[1]].layout.unit
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _context(keys, layouts: list[fx.Node], config: CompileConfig, report: GraphReport, fake_mode) -> PassContext:
-    model_parallel, group_axes, meshes = {}, {}, {}
-    for key in dict.fromkeys(keys):
-        info = lookup_param(key)
-        for axis, _ in info.model_parallel:
-            model_parallel[axis.name] = axis
-        for axis in [info.shard, *info.replicate, *(a for a, _ in info.model_parallel)]:
-            if axis is not None:
-                group_axes[axis.name] = axis.group_name
-    for node in layouts:  # a module with declared layouts but no sharded parameter of its own
-        state = state_for_key(node.args[1])
-        axis = node.args[2]
-        if axis not in model_parallel and state is not None:
-            model_parallel[axis] = axis_group(state.plan, axis)
-            group_axes[axis] = model_parallel[axis].group_name
-    for state in {id(s): s for s in map(state_for_key, [*keys, *(n.args[1] for n in layouts)]) if s}.values():
-        plan = state.plan
-        for axis in plan.model_parallel_axes:
-            meshes.setdefault(axis, plan.mesh if plan.mesh.ndim == 1 else plan.mesh[axis])
-    return PassContext(config=config, model_parallel=model_parallel, report=report,
-                       fake_mode=fake_mode, group_axes=group_axes, meshes=meshes)
-
-
-def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, states: list):
+def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
@@ -310,7 +351,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, states: list
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
             if is_backward and partitioned:
-                compiled_fn = _with_grad_sync(g, inputs, compiled_fn, ctx, states, functools.partial(
+                compiled_fn = _with_grad_sync(g, inputs, compiled_fn, ctx, functools.partial(
                     _lower_variant, config=config, share=share, compiled=compiled))
             return compiled_fn
 
@@ -329,18 +370,18 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, states: list
     )
 
 
-def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, states: list, lower):
+def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, lower):
     """The backward as a `grad_sync.GradSync` when it has data-parallel gradient reductions
     (``graphshard.no_sync`` then selects a program without them), else ``plain``."""
     mp_groups = {axis.group_name for axis in ctx.model_parallel.values()}
     params = {i for i, unit in enumerate(ctx.input_units) if unit is not None}
     roots = grad_sync.root_reductions(bw, mp_groups, params)
-    if not roots or not states:
+    if not roots or not ctx.models:
         return plain
     ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
                             "reduction(s) and with the accumulated gradients added, each lowered on first use")
     return grad_sync.GradSync(plain, grad_sync.accumulate_variant(bw, roots), grad_sync.flush_variant(bw, roots),
-                              list(inputs), states, lower)
+                              list(inputs), ctx.models, lower)
 
 
 def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, share, compiled: dict):

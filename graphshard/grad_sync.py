@@ -138,13 +138,13 @@ class GradSync:
     _boxed_call = True
 
     def __init__(self, plain: Callable, accumulate: fx.GraphModule, flush: fx.GraphModule, inputs: list,
-                 states: list, lower: Callable[[fx.GraphModule, list], Callable]):
+                 models: tuple, lower: Callable[[fx.GraphModule, list], Callable]):
         self.plain = plain
         self.graphs = {"accumulate": (accumulate, inputs),
                        "flush": (flush, inputs + [ph.meta["val"] for ph in flush.graph.find_nodes(op="placeholder")
                                                    ][len(inputs):])}
         self.n_extra = len(flush.graph.find_nodes(op="placeholder")) - len(inputs)
-        self.states = states
+        self.models = models  # the sharded models whose no_sync state selects the program
         self.lower = lower
         self.compiled: dict[str, Callable] = {}
         self.pending: list[torch.Tensor] | None = None
@@ -157,7 +157,7 @@ class GradSync:
         return self.compiled[name]
 
     def __call__(self, args: list):
-        if any(not s.sync_gradients for s in self.states):
+        if any(not m.sync_gradients for m in self.models):
             outs = list(_call(self._program("accumulate"), args))
             extra, outs = outs[len(outs) - self.n_extra:], outs[:len(outs) - self.n_extra]
             if self.pending is None:

@@ -15,6 +15,8 @@ collectives that the scheduling pass and Inductor can move.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Sequence
 
@@ -23,12 +25,13 @@ import torch.nn.functional as F
 
 from graphshard import _compat
 from graphshard._compat import c10d
-from graphshard.params import AxisGroup, ParamInfo, chunk_size, lookup
+from graphshard.params import AxisGroup, chunk_size, resolve
 from graphshard.plan import StridedShard
 from graphshard.rng import decompositions as _rng_decompositions
+from graphshard.sharding import ShardedParam
 
 lib = torch.library.Library("graphshard", "DEF")
-lib.define("param(Tensor local, str key, SymInt[] shape) -> Tensor")
+lib.define("param(Tensor local, str key, SymInt[] shape, ScalarType dtype) -> Tensor")
 lib.define("unshard(Tensor[] shards, str[] keys) -> Tensor[]")
 lib.define("all_reduce(Tensor x, str group, int world) -> Tensor")
 lib.define("all_gather(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
@@ -188,7 +191,7 @@ def _unpack_reduced_fake(buf, rows, numels, keep):
     return [buf.new_empty(k) for k in keep]
 
 
-def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
+def gather_params(shards: Sequence[torch.Tensor], infos: Sequence[ShardedParam]) -> list[torch.Tensor]:
     """Casts to param_dtype and all-gathers a unit's shards in ONE collective: a packed bucket,
     or on gloo a coalesced all-gather with an output per parameter (`AxisGroup.gather_coalesced`;
     a plan with ``collectives="nccl"`` keeps the bucket on gloo too)."""
@@ -239,7 +242,7 @@ def _reduce_scatter_flat(buf: torch.Tensor, axis: AxisGroup) -> tuple[torch.Tens
     return _wait(c10d.reduce_scatter_tensor(buf, "avg", axis.world, axis.group_name)), 1
 
 
-def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo]) -> list[torch.Tensor]:
+def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ShardedParam]) -> list[torch.Tensor]:
     """Averages a unit's gradients over the data-parallel ranks in reduce_dtype:
     one reduce-scatter over the shard axis (FullyShard), one all-reduce per replicate axis."""
     first = infos[0]
@@ -269,7 +272,7 @@ def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ParamInfo
 # --------------------------------------------------------------------------------------------
 # graphshard::param, the marker
 # --------------------------------------------------------------------------------------------
-def _gather_logical(local: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+def _gather_logical(local: torch.Tensor, info: ShardedParam) -> torch.Tensor:
     x = gather_params([local], [info])[0]
     for axis, pl in info.model_parallel:
         if isinstance(pl, StridedShard):  # each block's pieces gathered: blocks as a dim of their own
@@ -288,13 +291,13 @@ def local_strided_chunk(x: torch.Tensor, dim: int, split_factor: int, world: int
 
 
 @torch.library.impl(lib, "param", "CompositeExplicitAutograd")
-def _param_eager(local, key, shape):
-    return _gather_logical(local, lookup(key)).clone()
+def _param_eager(local, key, shape, dtype):
+    return _gather_logical(local, resolve(key)).clone()  # eager: the one place a key is resolved
 
 
 @torch.library.register_fake("graphshard::param")
-def _param_fake(local, key, shape):
-    return local.new_empty(shape, dtype=lookup(key).param_dtype)
+def _param_fake(local, key, shape, dtype):
+    return local.new_empty(shape, dtype=dtype)
 
 
 def _param_setup(ctx, inputs, output):
@@ -302,34 +305,58 @@ def _param_setup(ctx, inputs, output):
 
 
 def _param_backward(ctx, grad):
-    info = lookup(ctx.key)
+    info = resolve(ctx.key)  # eager only: a compile replaces every marker before autograd traces it
     for axis, pl in reversed(info.model_parallel):
         if isinstance(pl, StridedShard):  # eager computes replicated: every rank holds the full gradient
             grad = local_strided_chunk(grad, pl.dim, pl.split_factor, axis.world, axis.rank)
         elif pl.is_shard():
             grad = local_chunk(grad, pl.dim, axis.world, axis.rank)
-    return reduce_grads([grad], [info])[0], None, None
+    return reduce_grads([grad], [info])[0], None, None, None
 
 
 torch.library.register_autograd("graphshard::param", _param_backward, setup_context=_param_setup)
 
 
 # --------------------------------------------------------------------------------------------
-# graphshard::unshard, the data-parallel gather of a bucket; backward reduces the gradients
+# graphshard::unshard, the data-parallel gather of a bucket; backward reduces the gradients.
+# Only passes insert it, so its fake impl, decomposition and backward run inside a compile and
+# read the parameters of the model that compile is bound to (`compiling`).
 # --------------------------------------------------------------------------------------------
+_COMPILING: contextvars.ContextVar[dict | None] = contextvars.ContextVar("graphshard_compiling", default=None)
+
+
+@contextlib.contextmanager
+def compiling(params: dict):
+    """Binds the parameters (key -> `ShardedParam`) of the graph being compiled for graphshard's op
+    implementations that run inside the compile (unshard's fake impl, decomposition and backward)."""
+    token = _COMPILING.set(params)
+    try:
+        yield
+    finally:
+        _COMPILING.reset(token)
+
+
+def _bound(keys) -> list[ShardedParam]:
+    params = _COMPILING.get()
+    if params is None:
+        raise RuntimeError(f"graphshard::unshard of {list(keys)} outside a graphshard compile: only the backend's "
+                           "passes insert it, and the backend binds the model's parameters while it compiles")
+    return [params[k] for k in keys]
+
+
 def _unshard_decomp(shards, keys):
-    return gather_params(shards, [lookup(k) for k in keys])
+    return gather_params(shards, _bound(keys))
 
 
 @torch.library.impl(lib, "unshard", "CompositeExplicitAutograd")
-def _unshard_eager(shards, keys):
-    return [t.clone() for t in _unshard_decomp(shards, keys)]
+def _unshard_eager(shards, keys):  # a graph run as FX (lower="eager") after its compile
+    infos = _bound(keys) if _COMPILING.get() is not None else [resolve(k) for k in keys]
+    return [t.clone() for t in gather_params(shards, infos)]
 
 
 @torch.library.register_fake("graphshard::unshard")
 def _unshard_fake(shards, keys):
-    infos = [lookup(k) for k in keys]
-    return [x.new_empty(info.dp_full_shape, dtype=info.param_dtype) for x, info in zip(shards, infos)]
+    return [x.new_empty(info.dp_full_shape, dtype=info.param_dtype) for x, info in zip(shards, _bound(keys))]
 
 
 def _unshard_setup(ctx, inputs, output):
@@ -337,7 +364,7 @@ def _unshard_setup(ctx, inputs, output):
 
 
 def _unshard_backward(ctx, grads):
-    return reduce_grads(list(grads), [lookup(k) for k in ctx.keys]), None
+    return reduce_grads(list(grads), _bound(ctx.keys)), None
 
 
 torch.library.register_autograd("graphshard::unshard", _unshard_backward, setup_context=_unshard_setup)

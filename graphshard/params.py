@@ -1,21 +1,11 @@
-"""Per-parameter facts shared by storage, ops and passes.
-
-Every sharded parameter has a `ParamInfo` in a process-wide registry, keyed by a
-string that the graph ops carry (``"<model id>/<canonical fqn>"``), so a graph
-node can name its parameter without holding Python objects.
-"""
+"""Mesh axes as c10d sees them, the sizes of a sharded dim's pieces, and the key -> parameter map
+that only the eager implementations of the marker ops read (`graphshard.sharding` holds the rest)."""
 
 from __future__ import annotations
 
 import math
 import weakref
 from dataclasses import dataclass
-
-import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Shard
-
-from graphshard.plan import FullyShard, ParamLayout, StridedShard
 
 
 @dataclass(frozen=True)
@@ -58,62 +48,6 @@ class AxisGroup:
         return self._gloo_forms
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    key: str
-    fqn: str
-    layout: ParamLayout
-    logical_shape: tuple[int, ...]
-    dtype: torch.dtype
-    mesh: DeviceMesh
-    shard: AxisGroup | None            # data-parallel axis the parameter is sharded over (FullyShard)
-    replicate: tuple[AxisGroup, ...]   # data-parallel axes it is replicated over (grads all-reduced)
-    model_parallel: tuple[tuple[AxisGroup, Placement], ...]  # model-parallel axes and placements
-
-    # ---- data-parallel storage (the tensor as seen before the dp all-gather) ----
-    @property
-    def dp_full_shape(self) -> tuple[int, ...]:
-        """Shape after the data-parallel gather: logical, with model-parallel sharding applied."""
-        shape = list(self.logical_shape)
-        for axis, pl in self.model_parallel:
-            if isinstance(pl, (Shard, StridedShard)):
-                shape[pl.dim] = local_size(shape[pl.dim], pl, axis.world, axis.rank)
-        return tuple(shape)
-
-    @property
-    def chunk_rows(self) -> int:
-        """Rows of dim 0 per data-parallel shard, padded (torch.chunk semantics)."""
-        assert self.shard is not None
-        return math.ceil(self.dp_full_shape[0] / self.shard.world) if self.dp_full_shape else 1
-
-    @property
-    def row_numel(self) -> int:
-        return math.prod(self.dp_full_shape[1:])
-
-    @property
-    def local_rows(self) -> int:
-        assert self.shard is not None
-        return chunk_size(self.dp_full_shape[0], self.shard.world, self.shard.rank)
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        spec = self.layout.unit_spec
-        return (spec.param_dtype if spec is not None else None) or self.dtype
-
-    @property
-    def reduce_dtype(self) -> torch.dtype:
-        spec = self.layout.unit_spec
-        return (spec.reduce_dtype if spec is not None else None) or self.param_dtype
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        """Whether the gathered parameter is freed after forward and gathered again in backward:
-        FULL_SHARD, except in the root unit (``""``), which keeps it whatever its spec says, as
-        FSDP2's root does (the backward needs the root's output head first)."""
-        spec = self.layout.unit_spec
-        return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
-
-
 def local_size(n: int, placement, world: int, rank: int) -> int:
     """Size of ``rank``'s piece of a dim of size ``n`` sharded by ``placement`` (a ``Shard``, or a
     ``StridedShard``: its piece of each of the ``split_factor`` blocks)."""
@@ -127,21 +61,19 @@ def chunk_size(n: int, world: int, rank: int) -> int:
     return max(0, min(c, n - c * rank))
 
 
-_REGISTRY: "weakref.WeakValueDictionary[str, ParamInfo]" = weakref.WeakValueDictionary()
-_KEEPALIVE: dict[int, list[ParamInfo]] = {}
+_KEYS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 
 
-def register(infos: list[ParamInfo], owner: object) -> None:
-    """Registers ``infos`` for as long as ``owner`` (the sharded model) lives."""
-    _KEEPALIVE[id(owner)] = infos
-    weakref.finalize(owner, _KEEPALIVE.pop, id(owner), None)
-    for info in infos:
-        _REGISTRY[info.key] = info
+def remember(param) -> None:
+    """Makes a `graphshard.sharding.ShardedParam` resolvable by its key while its model lives."""
+    _KEYS[param.key] = param
 
 
-def lookup(key: str) -> ParamInfo:
+def resolve(key: str):
+    """The `graphshard.sharding.ShardedParam` a marker's key names. For the eager implementations of
+    graphshard's marker ops only: a compile reads its parameters from the model it is bound to."""
     try:
-        return _REGISTRY[key]
+        return _KEYS[key]
     except KeyError:
         raise ValueError(
             f"graphshard parameter {key!r} is unknown: the model it belonged to was freed or never sharded"

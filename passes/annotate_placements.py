@@ -30,7 +30,6 @@ import torch
 import torch.fx as fx
 
 from graphshard.ops import ops
-from graphshard.params import lookup as lookup_param
 from graphshard.passes import _expansions, _rules
 from graphshard.passes._graph import R, is_tensor_node, tensor_args
 from graphshard.passes.pipeline import PassContext, log
@@ -48,7 +47,7 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if node.op == "placeholder":
             node.meta["placement"] = {a: R for a in axes} if is_tensor_node(node) else None
         elif node.op == "call_function" and node.target == ops.param.default:
-            info = lookup_param(node.args[1])
+            info = ctx.params[node.args[1]]
             mp = {axis.name: pl for axis, pl in info.model_parallel}
             node.meta["placement"] = {a: mp.get(a, R) for a in axes}
         elif node.op == "call_function" and node.target == ops.layout.default:

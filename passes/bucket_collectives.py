@@ -17,16 +17,15 @@ import torch.fx as fx
 
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
-from graphshard.params import lookup as lookup_param
 from graphshard.passes.pipeline import PassContext
 
 
-def unshard_units(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+def unshard_units(gm: fx.GraphModule, ctx: PassContext) -> dict[str, list[fx.Node]]:
     """unit FQN -> its unshard nodes, in graph order."""
     units: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target == ops.unshard.default:
-            unit = lookup_param(node.args[1][0]).layout.unit
+            unit = ctx.params[node.args[1][0]].layout.unit
             units.setdefault(unit, []).append(node)
     return units
 
@@ -50,7 +49,7 @@ def _record(ctx: PassContext, unit: str, infos) -> None:
 
 def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
-    for unit, nodes in unshard_units(gm).items():
+    for unit, nodes in unshard_units(gm, ctx).items():
         keys, shards, vals, placements = [], [], [], []
         uses: list[tuple[fx.Node, int]] = []  # (getitem user, index into merged outputs)
         for un in nodes:
@@ -63,7 +62,7 @@ def bucket_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 for user in list(un.users):
                     if user.target == operator.getitem and user.args[1] == i:
                         uses.append((user, keys.index(key)))
-        infos = [lookup_param(k) for k in keys]
+        infos = [ctx.params[k] for k in keys]
         ctx.report.units[unit] = [info.fqn for info in infos]
         _record(ctx, unit, infos)
         if len(nodes) == 1 and len(keys) == len(nodes[0].args[1]):

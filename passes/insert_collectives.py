@@ -30,7 +30,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
-from graphshard.params import lookup as lookup_param
 from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
 from graphshard.passes._rules import StridedShard
 from graphshard.passes.pipeline import PassContext, log
@@ -137,7 +136,7 @@ def _needs_grad(gm: fx.GraphModule, ctx: PassContext) -> set[fx.Node]:
 def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> fx.Node:
     """Replaces ``marker`` by the per-rank parameter it stands for; returns that node."""
     local, key = marker.args[0], marker.args[1]
-    info = lookup_param(key)
+    info = ctx.params[key]
     with g.inserting_before(marker):
         if info.shard is None and not info.replicate:
             # No data-parallel axis: the local shard is the per-rank parameter. Until

@@ -12,8 +12,10 @@ import torch.fx as fx
 
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport
+from graphshard.ops import compiling
 from graphshard.params import AxisGroup
 from graphshard.rng import RandomDraws
+from graphshard.sharding import ShardedModel, ShardedParam
 
 log = logging.getLogger("graphshard.passes")
 
@@ -22,20 +24,24 @@ Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
 @dataclass
 class PassContext:
-    """What every pass may read; passes record what they did in ``report``."""
+    """What every pass may read, built once per graph by the backend (`backend.prepare`) from the
+    sharded models the graph reads; passes record what they did in the outputs at the end."""
 
     config: CompileConfig
+    models: tuple[ShardedModel, ...]        # the sharded models whose parameters or layouts the graph reads
+    params: dict[str, ShardedParam]         # their parameters, by the key a marker carries
     model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
+    group_axes: dict[str, str]              # mesh axis name -> c10d group name
+    meshes: dict                            # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
+    sparse: dict                            # embedding-collection key -> its SparseCollection on this rank
+    input_units: list                       # per graph input: the unit of the parameter shard it is, or None
+    input_requires_grad: list               # per graph input: whether it requires grad
+    fake_mode: object
+    graph_index: int
+    # ---- what passes and the backend record as the compile goes ----
     report: GraphReport
-    group_axes: dict[str, str] = field(default_factory=dict)  # mesh axis name -> c10d group name
-    input_units: list = field(default_factory=list)  # per graph input: the unit of the parameter shard it is, or None
-    input_requires_grad: list = field(default_factory=list)  # per graph input: whether it requires grad
-    meshes: dict = field(default_factory=dict)  # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
-    fake_mode: object = None
-    sparse: dict = field(default_factory=dict)  # embedding-collection key -> its SparseCollection on this rank
     random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
-    stage: str = "pre_autograd"
-    graph_index: int = 0
+    stage: str = "pre_autograd"        # set by the backend: which graph the post-partition passes are on
     dump_counter: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -74,6 +80,11 @@ def op_counts(gm: fx.GraphModule) -> collections.Counter:
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass]) -> fx.GraphModule:
+    with compiling(ctx.params):  # graphshard's ops traced by the passes read the bound parameters
+        return _run(gm, ctx, passes)
+
+
+def _run(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass]) -> fx.GraphModule:
     for p in passes:
         before = op_counts(gm) if ctx.config.dump_graphs else None
         if before is not None:

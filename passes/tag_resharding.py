@@ -8,7 +8,7 @@ nodes are tagged ``MUST_RECOMPUTE``. SHARD_GRAD_OP units keep them: tagged
 honours it, so the backward graph re-issues exactly the FULL_SHARD all-gathers.
 
 The root unit (plan key ``""``) keeps its parameters whatever its spec says
-(`ParamInfo.reshard_after_forward`), as
+(`ShardedParam.reshard_after_forward`), as
 FSDP2's root does: the backward starts with the layers that ran last in the
 forward, typically the root's (the output head, a tied embedding), so resharding
 it would only gather it again at once, an all-gather with nothing to hide under.
@@ -19,14 +19,13 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from graphshard.params import lookup as lookup_param
 from graphshard.passes.bucket_collectives import unshard_units
 from graphshard.passes.pipeline import PassContext
 
 
 def tag_resharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for graph_id, (unit, nodes) in enumerate(unshard_units(gm).items()):
-        info = lookup_param(nodes[0].args[1][0])
+    for graph_id, (unit, nodes) in enumerate(unshard_units(gm, ctx).items()):
+        info = ctx.params[nodes[0].args[1][0]]
         if info.shard is None:
             continue  # replicated units gather nothing
         policy = CheckpointPolicy.MUST_RECOMPUTE if info.reshard_after_forward else CheckpointPolicy.MUST_SAVE

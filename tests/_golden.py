@@ -31,7 +31,7 @@ def graph_after(model, plan, inputs, upto: str, *, config: CompileConfig | None 
     """Shards ``model`` and returns the normalized graph right after pass ``upto``."""
     graphshard.shard(model, plan)
     gm, example_inputs = capture_dynamo(model, *inputs)
-    prepared = prepare(gm, example_inputs, config or CompileConfig(lower="eager"))
+    prepared = prepare(gm, example_inputs, config or CompileConfig(lower="eager"), (model._graphshard,))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
     assert upto in names, f"unknown pass {upto!r}; passes are {names}"

@@ -102,13 +102,13 @@ class TestAnnotatePlacements(TestCase):
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[8, 16]", arg1_1: "f32[8]", arg2_1: "f32[4, 16]", arg3_1: "f32[8, 8]", arg4_1: "f32[8]"):
-        param: "f32[32, 16]" = torch.ops.graphshard.param.default(arg0_1, 'fc1.weight', [32, 16]);  arg0_1 = None
-        param_1: "f32[32]" = torch.ops.graphshard.param.default(arg1_1, 'fc1.bias', [32]);  arg1_1 = None
+        param: "f32[32, 16]" = torch.ops.graphshard.param.default(arg0_1, 'fc1.weight', [32, 16], torch.float32);  arg0_1 = None
+        param_1: "f32[32]" = torch.ops.graphshard.param.default(arg1_1, 'fc1.bias', [32], torch.float32);  arg1_1 = None
         t: "f32[16, 32]" = torch.ops.aten.t.default(param);  param = None
         addmm: "f32[4, 32]" = torch.ops.aten.addmm.default(param_1, arg2_1, t);  param_1 = arg2_1 = t = None
         gelu: "f32[4, 32]" = torch.ops.aten.gelu.default(addmm);  addmm = None
-        param_2: "f32[8, 32]" = torch.ops.graphshard.param.default(arg3_1, 'fc2.weight', [8, 32]);  arg3_1 = None
-        param_3: "f32[8]" = torch.ops.graphshard.param.default(arg4_1, 'fc2.bias', [8]);  arg4_1 = None
+        param_2: "f32[8, 32]" = torch.ops.graphshard.param.default(arg3_1, 'fc2.weight', [8, 32], torch.float32);  arg3_1 = None
+        param_3: "f32[8]" = torch.ops.graphshard.param.default(arg4_1, 'fc2.bias', [8], torch.float32);  arg4_1 = None
         t_1: "f32[32, 8]" = torch.ops.aten.t.default(param_2);  param_2 = None
         addmm_1: "f32[4, 8]" = torch.ops.aten.addmm.default(param_3, gelu, t_1);  param_3 = gelu = t_1 = None
         return (addmm_1,)
@@ -134,21 +134,21 @@ addmm_1: {tp: P}
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[16, 4]"):
-        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
+        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16], torch.float32);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
         view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
         view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
         transpose: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
-        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
+        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16], torch.float32);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
         view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
         view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
         transpose_1: "f32[2, 4, 8, 4]" = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
-        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
+        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16], torch.float32);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
         view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
@@ -179,7 +179,7 @@ class <lambda>(torch.nn.Module):
         transpose_4: "f32[2, 8, 4, 4]" = torch.ops.aten.transpose.int(_unsafe_view_7, 1, 2);  _unsafe_view_7 = None
         clone_3: "f32[2, 8, 4, 4]" = torch.ops.aten.clone.default(transpose_4, memory_format = torch.contiguous_format);  transpose_4 = None
         _unsafe_view_8: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(clone_3, [2, 8, 16]);  clone_3 = None
-        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg4_1, 'wo.weight', [16, 16]);  arg4_1 = None
+        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg4_1, 'wo.weight', [16, 16], torch.float32);  arg4_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
         view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(_unsafe_view_8, [16, 16]);  _unsafe_view_8 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
@@ -262,19 +262,19 @@ _unsafe_view_9: {tp: P}
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "f32[8, 4]", arg5_1: "f32[8, 4]", arg6_1: "f32[16, 4]"):
-        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
+        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16], torch.float32);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
         view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
         view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
-        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
+        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16], torch.float32);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
         view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
         view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
-        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
+        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16], torch.float32);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
         view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
@@ -307,7 +307,7 @@ class <lambda>(torch.nn.Module):
         getitem_5: "f32[2, 4, 8]" = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = getitem_5 = None
         transpose_3: "f32[2, 8, 4, 4]" = torch.ops.aten.transpose.int(getitem_4, 1, 2);  getitem_4 = None
         view_6: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(transpose_3, [2, 8, 16]);  transpose_3 = None
-        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg6_1, 'wo.weight', [16, 16]);  arg6_1 = None
+        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg6_1, 'wo.weight', [16, 16], torch.float32);  arg6_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
         view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(view_6, [16, 16]);  view_6 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None
@@ -380,19 +380,19 @@ _unsafe_view_3: {tp: P}
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[4, 16]", arg3_1: "f32[4, 16]", arg4_1: "c64[8, 2]", arg5_1: "f32[16, 4]"):
-        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16]);  arg1_1 = None
+        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'wq.weight', [16, 16], torch.float32);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
         view: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
         _unsafe_view: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm, [2, 8, 16]);  mm = None
         view_1: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 8, 4, 4]);  _unsafe_view = None
-        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16]);  arg2_1 = None
+        param_1: "f32[16, 16]" = torch.ops.graphshard.param.default(arg2_1, 'wk.weight', [16, 16], torch.float32);  arg2_1 = None
         t_1: "f32[16, 16]" = torch.ops.aten.t.default(param_1);  param_1 = None
         view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16])
         mm_1: "f32[16, 16]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
         _unsafe_view_1: "f32[2, 8, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 8, 16]);  mm_1 = None
         view_3: "f32[2, 8, 4, 4]" = torch.ops.aten.reshape.default(_unsafe_view_1, [2, 8, 4, 4]);  _unsafe_view_1 = None
-        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16]);  arg3_1 = None
+        param_2: "f32[16, 16]" = torch.ops.graphshard.param.default(arg3_1, 'wv.weight', [16, 16], torch.float32);  arg3_1 = None
         t_2: "f32[16, 16]" = torch.ops.aten.t.default(param_2);  param_2 = None
         view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(arg0_1, [16, 16]);  arg0_1 = None
         mm_2: "f32[16, 16]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
@@ -419,7 +419,7 @@ class <lambda>(torch.nn.Module):
         getitem_1: "f32[2, 4, 8]" = _scaled_dot_product_flash_attention_for_cpu[1];  _scaled_dot_product_flash_attention_for_cpu = getitem_1 = None
         transpose_3: "f32[2, 8, 4, 4]" = torch.ops.aten.transpose.int(getitem, 1, 2);  getitem = None
         view_11: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(transpose_3, [2, 8, 16]);  transpose_3 = None
-        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg5_1, 'wo.weight', [16, 16]);  arg5_1 = None
+        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg5_1, 'wo.weight', [16, 16], torch.float32);  arg5_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
         view_12: "f32[16, 16]" = torch.ops.aten.reshape.default(view_11, [16, 16]);  view_11 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_12, t_3);  view_12 = t_3 = None

@@ -38,7 +38,7 @@ def _collective_lines(text: str) -> str:
 class TestCollectiveForms(TestCase):
     def test_nccl_forms_on_gloo_are_the_nccl_graphs(self):
         model = _on_gloo(_plan(collectives="nccl"))
-        info = next(iter(model._graphshard.infos.values()))
+        info = next(iter(model._graphshard.params.values()))
         self.assertEqual((info.shard.backend, info.shard.collectives), ("gloo", "nccl"))
         self.assertFalse(info.shard.gather_coalesced or info.shard.scatter_by_all_to_all)
         g = compiled_stages(model, model._graphshard.plan, (torch.randn(4, 8),))

@@ -120,7 +120,7 @@ def _full_osd(fsdp, opt, step: float = 3.0) -> dict:
 
 
 def _user_params(fsdp):
-    infos = fsdp._graphshard.infos.values()
+    infos = fsdp._graphshard.params.values()
     return [(info.fqn, info.logical_shape) for info in infos]
 
 

@@ -15,7 +15,7 @@ class TestRelaxViews(TestCase):
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[2, 16]", arg3_1: "f32[2, 16]", arg4_1: "f32[16, 4]"):
         layout: "f32[2, 8, 16]" = torch.ops.graphshard.layout.default(arg0_1, 'q_proj:in0', 'tp', 'R', True)
-        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'q_proj.weight', [16, 16]);  arg1_1 = None
+        param: "f32[16, 16]" = torch.ops.graphshard.param.default(arg1_1, 'q_proj.weight', [16, 16], torch.float32);  arg1_1 = None
         t: "f32[16, 16]" = torch.ops.aten.t.default(param);  param = None
         view: "f32[16, 16]" = torch.ops.aten.reshape.default(layout, [16, 16]);  layout = None
         mm: "f32[16, 16]" = torch.ops.aten.mm.default(view, t);  view = t = None
@@ -24,7 +24,7 @@ class <lambda>(torch.nn.Module):
         view_1: "f32[2, 8, 8, 2]" = torch.ops.aten.reshape.default(layout_1, [2, 8, -1, 2]);  layout_1 = None
         transpose: "f32[2, 8, 8, 2]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
         layout_2: "f32[2, 8, 16]" = torch.ops.graphshard.layout.default(arg0_1, 'k_proj:in0', 'tp', 'R', True)
-        param_1: "f32[8, 16]" = torch.ops.graphshard.param.default(arg2_1, 'k_proj.weight', [8, 16]);  arg2_1 = None
+        param_1: "f32[8, 16]" = torch.ops.graphshard.param.default(arg2_1, 'k_proj.weight', [8, 16], torch.float32);  arg2_1 = None
         t_1: "f32[16, 8]" = torch.ops.aten.t.default(param_1);  param_1 = None
         view_2: "f32[16, 16]" = torch.ops.aten.reshape.default(layout_2, [16, 16]);  layout_2 = None
         mm_1: "f32[16, 8]" = torch.ops.aten.mm.default(view_2, t_1);  view_2 = t_1 = None
@@ -33,7 +33,7 @@ class <lambda>(torch.nn.Module):
         view_3: "f32[2, 8, 4, 2]" = torch.ops.aten.reshape.default(layout_3, [2, 8, -1, 2]);  layout_3 = None
         transpose_1: "f32[2, 4, 8, 2]" = torch.ops.aten.transpose.int(view_3, 1, 2);  view_3 = None
         layout_4: "f32[2, 8, 16]" = torch.ops.graphshard.layout.default(arg0_1, 'v_proj:in0', 'tp', 'R', True);  arg0_1 = None
-        param_2: "f32[8, 16]" = torch.ops.graphshard.param.default(arg3_1, 'v_proj.weight', [8, 16]);  arg3_1 = None
+        param_2: "f32[8, 16]" = torch.ops.graphshard.param.default(arg3_1, 'v_proj.weight', [8, 16], torch.float32);  arg3_1 = None
         t_2: "f32[16, 8]" = torch.ops.aten.t.default(param_2);  param_2 = None
         view_4: "f32[16, 16]" = torch.ops.aten.reshape.default(layout_4, [16, 16]);  layout_4 = None
         mm_2: "f32[16, 8]" = torch.ops.aten.mm.default(view_4, t_2);  view_4 = t_2 = None
@@ -53,7 +53,7 @@ class <lambda>(torch.nn.Module):
         transpose_3: "f32[2, 8, 8, 2]" = torch.ops.aten.transpose.int(getitem, 1, 2);  getitem = None
         view_6: "f32[2, 8, 16]" = torch.ops.aten.reshape.default(transpose_3, [2, 8, -1]);  transpose_3 = None
         layout_6: "f32[2, 8, 16]" = torch.ops.graphshard.layout.default(view_6, 'o_proj:in0', 'tp', 'S(-1)', True);  view_6 = None
-        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg4_1, 'o_proj.weight', [16, 16]);  arg4_1 = None
+        param_3: "f32[16, 16]" = torch.ops.graphshard.param.default(arg4_1, 'o_proj.weight', [16, 16], torch.float32);  arg4_1 = None
         t_3: "f32[16, 16]" = torch.ops.aten.t.default(param_3);  param_3 = None
         view_7: "f32[16, 16]" = torch.ops.aten.reshape.default(layout_6, [16, 16]);  layout_6 = None
         mm_3: "f32[16, 16]" = torch.ops.aten.mm.default(view_7, t_3);  view_7 = t_3 = None

@@ -81,10 +81,11 @@ def after_pass(tables, sharding, upto="shard_embeddings"):
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("dp",))
     gs_plan = graphshard.Plan(mesh, dmp._dense_rules(), ignored_params=dmp._whole_gradients())  # DMP's own
     graphshard.shard(dmp.module, gs_plan)
+    dmp.module._graphshard.collections.extend(dmp._collections)  # as DMP's init_data_parallel records them
     features = [f for t in tables for f in t.feature_names]
     with _compat.trace_data_dependent_outputs():
         gm, inputs = capture_dynamo(dmp.module, _kjt(features))
-    prepared = prepare(gm, inputs, CompileConfig(lower="eager"))
+    prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (dmp.module._graphshard,))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
     g = run_passes(prepared.graph, prepared.ctx, passes[: names.index(upto) + 1])

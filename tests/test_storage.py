@@ -29,7 +29,7 @@ def test_tied_weight_is_one_object_under_both_fqns():
     assert model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
     sd = model.state_dict()
     assert sd["output.weight"].to_local().data_ptr() == sd["tok_embeddings.weight"].to_local().data_ptr()
-    assert len(model._graphshard.infos) == len(list(model.parameters()))
+    assert len(model._graphshard.params) == len(list(model.parameters()))
 
 
 def test_shared_module_is_sharded_once():
@@ -38,7 +38,7 @@ def test_shared_module_is_sharded_once():
     graphshard.shard(model, plan)
     assert model.first is model.second
     assert set(model._graphshard.units) == {"first", ""}
-    info = model._graphshard.info_for_fqn("second.weight")
+    info = model._graphshard.param_for_fqn("second.weight")
     assert info.layout.fqns == ("first.weight", "second.weight") and info.layout.unit == "first"
 
 
@@ -47,7 +47,7 @@ def test_uneven_rows_follow_torch_chunk():
     odd = torch.nn.Linear(16, 7)
     graphshard.shard(odd, plan)  # 7 rows over 4 ranks: 2, 2, 2, 1
     assert odd.weight.to_local().shape == (2, 16)
-    info = odd._graphshard.info_for_fqn("weight")
+    info = odd._graphshard.param_for_fqn("weight")
     assert (info.chunk_rows, info.local_rows) == (2, 2)
 
 
@@ -90,7 +90,7 @@ def test_axis_records_the_backend_that_runs_it():
 
     model = tiny_transformer()
     graphshard.shard(model, fsdp_plan())
-    info = next(iter(model._graphshard.infos.values()))
+    info = next(iter(model._graphshard.params.values()))
     assert info.shard.backend == "fake"  # this process's test group
     assert not info.shard.scatter_by_all_to_all
     assert backend_on("gloo", "cpu") == "gloo"
@@ -107,9 +107,9 @@ def test_flat_params_replace_a_units_parameters_by_one_flat_shard():
     flat = dict(model.named_parameters())
     assert list(flat) == ["_flat_param", "layers.0._flat_param"]
     layer = model.layers[0]
-    infos = [model._graphshard.info_for_fqn(f"layers.0.{n}") for n in ("attn_norm.weight", "attn.wq.weight", "ffn.w1.weight")]
+    infos = [model._graphshard.param_for_fqn(f"layers.0.{n}") for n in ("attn_norm.weight", "attn.wq.weight", "ffn.w1.weight")]
     assert flat["layers.0._flat_param"].dim() == 1
-    logical = [i.logical_shape for i in model._graphshard.infos.values() if i.layout.unit == "layers.0"]
+    logical = [i.logical_shape for i in model._graphshard.params.values() if i.layout.unit == "layers.0"]
     # each parameter's rows padded to 4 equal chunks, by hand from the logical shapes
     assert flat["layers.0._flat_param"].numel() == sum(-(-s[0] // 4) * math.prod(s[1:]) for s in logical)
     wq = layer.attn.wq.weight

@@ -15,7 +15,7 @@ def _tags(text_model, plan):
 
     graphshard.shard(text_model, plan)
     gm, inputs = capture_dynamo(text_model, torch.randn(4, 8))
-    prepared = prepare(gm, inputs, CompileConfig(lower="eager"))
+    prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (text_model._graphshard,))
     g = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     return [f"{n.name}: {n.meta['recompute'].name}" for n in g.graph.nodes if "recompute" in n.meta]
 

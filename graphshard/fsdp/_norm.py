@@ -6,8 +6,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from graphshard.fsdp._wrapper import _local_grad
-
 
 def clip_grad_norm(root, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """torch's FSDP ``clip_grad_norm_``: the norm of all gradients as if unsharded (a sharded
@@ -18,8 +16,8 @@ def clip_grad_norm(root, max_norm: float, norm_type: float = 2.0) -> torch.Tenso
     state = root._graphshard
     grads = []
     sharded, replicated = [], []
-    for info in state.infos.values():
-        g = _local_grad(model, info)
+    for info in state.params.values():
+        g = info.local_grad()
         if g is None:
             continue
         grads.append(g)

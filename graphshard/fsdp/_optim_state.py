@@ -3,7 +3,7 @@
 The optimizer holds one entry per parameter it was given: with ``use_orig_params=True`` the
 DTensor parameters (so its state is DTensors of the same placements), with ``False`` one flat
 1-D parameter per unit (its state flat tensors of the same layout: each parameter's local
-shard, padded to its chunk, in registration order; `graphshard.storage.FlatSlot`).
+shard, padded to its chunk, in registration order; `graphshard.sharding.FlatSlot`).
 
 - `optim_state_dict` unflattens that state to the user's parameter FQNs: full tensors
   (FULL_STATE_DICT; ``rank0_only`` gives the other ranks ``{}``, as torch) or DTensors over the
@@ -26,8 +26,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import OptimStateKeyType, StateDictType
 from torch.distributed.tensor import DTensor
 
-from graphshard.params import ParamInfo
-from graphshard.storage import FlatSlot, _stored_placements, dtensor_of_local, full_copy
+from graphshard.sharding import FlatSlot, ShardedParam
 
 
 class _Entry:
@@ -35,7 +34,7 @@ class _Entry:
     parameters it holds; ``infos`` their graphshard facts (``None``: not graphshard's, copied
     as is); ``slots`` their places in a flat parameter (``None``: an original parameter)."""
 
-    def __init__(self, param: nn.Parameter, fqns: list[str], infos: list[ParamInfo] | None = None,
+    def __init__(self, param: nn.Parameter, fqns: list[str], infos: list[ShardedParam] | None = None,
                  slots: list[FlatSlot] | None = None):
         self.param, self.fqns, self.infos, self.slots = param, fqns, infos, slots
         self.name = ""  # its name in model.named_parameters() (a NamedOptimizer's key)
@@ -53,10 +52,10 @@ def _entries(model: nn.Module) -> dict[int, _Entry]:
         state, inner = root._graphshard, root._fsdp_wrapped_module
         in_flat = set()
         for unit in state.flat.values():
-            infos = [state.infos[s.key] for s in unit.slots]
+            infos = [state.params[s.key] for s in unit.slots]
             in_flat.update(s.key for s in unit.slots)
             out[id(unit.param)] = _Entry(unit.param, [pre + i.fqn for i in infos], infos, unit.slots)
-        for key, info in state.infos.items():
+        for key, info in state.params.items():
             if key not in in_flat:
                 owner, _, pname = info.layout.fqns[0].rpartition(".")
                 p = inner.get_submodule(owner)._parameters[pname]
@@ -165,13 +164,13 @@ def _stored_layout(e: _Entry, i: int, value: torch.Tensor, name: str) -> torch.T
     return local
 
 
-def _full(local: torch.Tensor, info: ParamInfo, cpu_offload: bool) -> torch.Tensor:
-    v = full_copy(local, info)
+def _full(local: torch.Tensor, info: ShardedParam, cpu_offload: bool) -> torch.Tensor:
+    v = info.full(local)
     return v.cpu() if cpu_offload else v
 
 
-def _sharded(local: torch.Tensor, info: ParamInfo, cpu_offload: bool) -> DTensor:
-    return dtensor_of_local(local.detach().cpu() if cpu_offload else local.detach(), info)
+def _sharded(local: torch.Tensor, info: ShardedParam, cpu_offload: bool) -> DTensor:
+    return info.dtensor_of(local.detach().cpu() if cpu_offload else local.detach())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +262,7 @@ def _flatten_tensor(e: _Entry, values: list, name: str) -> torch.Tensor:
     if e.slots is None:
         info = e.infos[0]
         local = _local_of(values[0], info, name, e.fqns[0]).to(device=e.param.device)
-        return dtensor_of_local(local.clone(), info) if isinstance(e.param, DTensor) else local.clone()
+        return info.dtensor_of(local.clone()) if isinstance(e.param, DTensor) else local.clone()
     dtypes = {v.dtype for v in values if v is not None}
     if len(dtypes) != 1:
         raise ValueError(f"optimizer state {name!r} of the flat parameter holding {e.fqns} has dtypes "
@@ -275,13 +274,13 @@ def _flatten_tensor(e: _Entry, values: list, name: str) -> torch.Tensor:
     return flat
 
 
-def _local_of(v: torch.Tensor, info: ParamInfo, name: str, fqn: str) -> torch.Tensor:
+def _local_of(v: torch.Tensor, info: ShardedParam, name: str, fqn: str) -> torch.Tensor:
     """This rank's part, laid out as graphshard stores ``info``'s parameter, of the state ``v``
     (a full tensor or a DTensor of any layout)."""
     from graphshard.fsdp._wrapper import local_of_full
 
     if isinstance(v, DTensor):
-        if v.device_mesh == info.mesh and list(v.placements) == _stored_placements(info) \
+        if v.device_mesh == info.mesh and list(v.placements) == info.placements \
                 and tuple(v.shape) == tuple(info.logical_shape):
             return v.to_local()
         v = v.full_tensor()

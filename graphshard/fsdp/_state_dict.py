@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
-from graphshard.storage import FLAT_PARAM, full_copy, sharded_value, stored_local
+from graphshard.sharding import FLAT_PARAM
 
 _CONFIGS = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -133,15 +133,14 @@ class StateDictMixin:
         return out
 
     def _param_values(self, kind: StateDictType, cfg) -> dict[str, torch.Tensor]:
-        model = self._fsdp_wrapped_module
         values = {}
-        for info in self._graphshard.infos.values():
+        for info in self._graphshard.params.values():
             if kind == StateDictType.FULL_STATE_DICT:  # gathered in the stored dtype, not param_dtype
-                v = full_copy(stored_local(model, info), info)
+                v = info.full()
                 if cfg.offload_to_cpu:
                     v = v.cpu()
             else:
-                v = sharded_value(model, info).detach()
+                v = info.dtensor().detach()
                 if cfg.offload_to_cpu:
                     v = DTensor.from_local(v.to_local().cpu(), v.device_mesh, v.placements, run_check=False,
                                            shape=v.shape, stride=v.stride())
@@ -165,14 +164,14 @@ class StateDictMixin:
             raise RuntimeError(_load_error(type(model).__name__, missing, unexpected))
         buffers = self._unmanaged_by_fqn()
         with torch.no_grad():
-            for info in self._graphshard.infos.values():
+            for info in self._graphshard.params.values():
                 fqn = next((f for f in info.layout.fqns if f in state_dict), None)
                 if fqn is None:
                     continue
                 value = state_dict[fqn]
-                dst = stored_local(model, info)
+                dst = info.local()
                 if isinstance(value, DTensor):
-                    value = value.to_local() if value.placements == sharded_value(model, info).placements \
+                    value = value.to_local() if tuple(value.placements) == tuple(info.placements) \
                         and value.to_local().shape == dst.shape else local_of_full(value.full_tensor(), info)
                 else:
                     if tuple(value.shape) != tuple(info.logical_shape):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import math
 import threading
 from typing import Any, Callable, Iterable, Iterator
 
@@ -32,16 +31,16 @@ from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
-from graphshard.backend import graphshard_backend
+from graphshard.api import compile_config, compile_sharded
 from graphshard.config import CompileConfig
 from graphshard.fsdp._optim_state import OptimStateMixin
 from graphshard.fsdp._state_dict import StateDictMixin
 from graphshard.fsdp.wrap import decide_units
 from graphshard.grad_sync import no_sync
 from graphshard.ops import local_chunk
-from graphshard.params import ParamInfo
 from graphshard.plan import FullyShard, Plan, Replicate
-from graphshard.storage import FLAT_PARAM, dtensor_of_local, in_forward, owner_of, shard, state_of, stored_local
+from graphshard.sharding import FLAT_PARAM, ShardedParam
+from graphshard.storage import in_forward, shard, state_of
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
@@ -86,6 +85,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         use_orig_params: bool = False,
         ignored_states=None,
         device_mesh: DeviceMesh | None = None,
+        **compile_options,
     ):
         super().__init__()
         _check_module(module)
@@ -161,7 +161,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         if mixed_precision is not None:
             _cast_buffers(module, mixed_precision.buffer_dtype, ignored[0],
                           full_precision if auto_wrap_policy is not None else ())
-        self.compile(backend=functools.partial(graphshard_backend, config=self._compile_config()))
+        compile_sharded(self, module, compile_config("FullyShardedDataParallel", self._compile_config(), **compile_options))
 
     @classmethod
     def _unit(cls, module: nn.Module, fqn: str, root: "FullyShardedDataParallel") -> "FullyShardedDataParallel":
@@ -239,7 +239,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 if not fqn.endswith(FLAT_PARAM) and not isinstance(p, DTensor):  # ignored: plain, as they are
                     yield clean_fqn(fqn), p
             for key, full in _summoned.full.items():
-                info = self._graphshard.infos[key]
+                info = self._graphshard.params[key]
                 if _in_unit(info, self._unit_fqn, recurse):
                     yield prefix + _relative(info.fqn, self._unit_fqn), full
             return
@@ -284,23 +284,22 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         if with_grads and not roots[0]._config.use_orig_params:
             raise ValueError("summon_full_params(with_grads=True) needs use_orig_params=True, as torch's FSDP")
         root = roots[0]._root
-        model = root._fsdp_wrapped_module
-        keys = [key for key, info in root._graphshard.infos.items()
+        keys = [key for key, info in root._graphshard.params.items()
                 if any(_in_unit(info, w._unit_fqn, recurse) for w in roots)]
         full: dict[str, torch.Tensor] = {}
         for key in keys:
-            info = root._graphshard.infos[key]
-            local = stored_local(model, info)
-            value = dtensor_of_local(local.detach(), info).full_tensor()  # full precision; every rank joins
+            info = root._graphshard.params[key]
+            local = info.local()
+            value = info.dtensor_of(local.detach()).full_tensor()  # full precision; every rank joins
             if rank0_only and dist.get_rank() != 0:
                 continue
             if offload_to_cpu:
                 value = value.cpu()
             p = nn.Parameter(value, requires_grad=local.requires_grad or info.layout.unit is not None)
             if with_grads:
-                grad = _local_grad(model, info)
+                grad = info.local_grad()
                 if grad is not None:
-                    p.grad = dtensor_of_local(grad, info).full_tensor()
+                    p.grad = info.dtensor_of(grad).full_tensor()
             full[key] = p
         if keys and rank0_only and dist.get_rank() != 0:
             full = {}
@@ -313,8 +312,8 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
             if writeback:
                 with torch.no_grad():
                     for key, p in full.items():
-                        info = root._graphshard.infos[key]
-                        stored_local(model, info).copy_(local_of_full(p.detach(), info))
+                        info = root._graphshard.params[key]
+                        info.local().copy_(local_of_full(p.detach(), info))
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's FSDP hook on the gradient reduction. graphshard compiles the reduction into
@@ -367,23 +366,12 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         return clip_grad_norm(self, max_norm, norm_type)
 
 
-def local_of_full(full: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+def local_of_full(full: torch.Tensor, info: ShardedParam) -> torch.Tensor:
     """This rank's shard of a full (logical) parameter, as graphshard stores it."""
     assert not info.model_parallel, "graphshard.fsdp shards over data-parallel axes only"
     if info.shard is None:
         return full
     return local_chunk(full, 0, info.shard.world, info.shard.rank)
-
-
-def _local_grad(model: nn.Module, info: ParamInfo) -> torch.Tensor | None:
-    mod, name = owner_of(model, info)
-    flat = mod.__dict__.get("_graphshard_flat", {})
-    if name in flat:
-        unit, slot = flat[name]
-        g = unit.param.grad
-        return None if g is None else g.narrow(0, slot.offset, slot.numel).view(slot.shape)
-    g = mod._parameters[name].grad
-    return None if g is None else g._local_tensor
 
 
 class _Config:
@@ -580,7 +568,7 @@ def _parents_of(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return out
 
 
-def _in_unit(info: ParamInfo, unit_fqn: str, recurse: bool) -> bool:
+def _in_unit(info: ShardedParam, unit_fqn: str, recurse: bool) -> bool:
     if recurse:
         return unit_fqn == "" or any(f == unit_fqn or f.startswith(unit_fqn + ".") for f in info.layout.fqns)
     return info.layout.unit == unit_fqn

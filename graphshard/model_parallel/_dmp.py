@@ -12,7 +12,6 @@ the dense network are one graph.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -23,8 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from graphshard import _compat
-from graphshard.backend import graphshard_backend
-from graphshard.config import CompileConfig
+from graphshard.api import compile_config, compile_sharded
 from graphshard.model_parallel import _plan, _state
 from graphshard.model_parallel._planner import EmbeddingShardingPlanner
 from graphshard.plan import FullyShard, Plan, Replicate
@@ -88,13 +86,15 @@ class DistributedModelParallel(nn.Module):
     parameters on the meta device). ``data_parallel_wrapper`` says how the dense part is laid
     out: None or TorchRec's ``DefaultDataParallelWrapper`` replicate it (DDP), `FullyShardDense`
     shards it (FSDP); graphshard compiles that data parallelism itself, so other wrappers are
-    refused.
+    refused. Keyword arguments beyond TorchRec's are `graphshard.compile`'s compile options
+    (``lower="eager"``, ``dump_graphs=...``).
     """
 
     def __init__(self, module: nn.Module, env=None, device: torch.device | None = None, plan=None,
                  sharders=None, init_data_parallel: bool = True, init_parameters: bool = True,
-                 data_parallel_wrapper=None) -> None:
+                 data_parallel_wrapper=None, **compile_options) -> None:
         super().__init__()
+        self._compile_config = compile_config("DistributedModelParallel", **compile_options)
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -193,9 +193,10 @@ class DistributedModelParallel(nn.Module):
         if state_of(module) is None:
             shard(module, Plan(mesh, self._dense_rules(), ignored_params=self._whole_gradients(),
                                notes=self._auto.notes if self._auto is not None else ()))
+            state_of(module).collections.extend(self._collections)
             if self._plan_estimate is not None:
                 state_of(module).preamble.append(self._plan_estimate)
-        module.compile(backend=functools.partial(graphshard_backend, config=CompileConfig()))
+        compile_sharded(module, module, self._compile_config)
         self._ddp_wrapped = True
 
     def _dense_rules(self) -> dict:

@@ -1,0 +1,228 @@
+"""What the compiler knows about one sharded model: the one input of every compile.
+
+`storage.shard` builds a `ShardedModel` once and stores it as ``model._graphshard``. The
+backend is bound to it when a frontend compiles (`compiler.make_backend`), the pass context
+carries it, and the decompositions of graphshard's ops read it; nothing in a compile looks a
+parameter up in a process-wide table. Its records:
+
+- `ShardedParam`, one per parameter however many FQNs reach it (FSDP2's ``FSDPParam``): the
+  key its marker carries, the FQNs, the placements over the mesh and its data-parallel and
+  model-parallel axes, the module attribute that holds it, and its views: the stored local
+  shard, the DTensor, the local gradient, a full copy.
+- `FlatUnit` / `FlatSlot`: a unit whose parameters live in one flat 1-D parameter (FSDP1's
+  ``use_orig_params=False``) and each parameter's place in it.
+- the embedding collections sharded with the model (`graphshard.sparse.collection`).
+
+Only the eager implementations of the marker ops, which run outside any compile, resolve a
+key through `params.resolve` (a weak map, filled here).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from graphshard import _compat
+from graphshard.params import AxisGroup, chunk_size, local_size
+from graphshard.plan import FullyShard, ParamLayout, Plan, StridedShard
+
+FLAT_PARAM = "_flat_param"
+"""The attribute name of a unit's flat parameter (FSDP1's)."""
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Where one parameter's local shard lies in its unit's flat parameter."""
+
+    key: str
+    offset: int                   # first element in the flat parameter
+    shape: tuple[int, ...]        # the local shard's shape
+    numel: int                    # its elements
+    padded: int                   # elements reserved: the shard padded to its chunk (what the gather packs)
+    logical_shape: tuple[int, ...]
+
+
+@dataclass(eq=False)
+class FlatUnit:
+    """A unit whose parameters live in one flat 1-D parameter ``module._flat_param``."""
+
+    module: nn.Module
+    slots: list[FlatSlot]
+
+    @property
+    def param(self) -> nn.Parameter:
+        return self.module._parameters[FLAT_PARAM]
+
+    def local(self, slot: FlatSlot) -> torch.Tensor:
+        """The local shard of ``slot``'s parameter: a view of the flat parameter."""
+        return self.param.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """One sharded parameter: its layout, where it is stored, and its views."""
+
+    key: str                      # what its graphshard::param marker carries: "m<model id>/<canonical fqn>"
+    fqn: str                      # its canonical FQN (the first by registration order); ``layout.fqns`` has every alias
+    layout: ParamLayout
+    logical_shape: tuple[int, ...]
+    dtype: torch.dtype
+    mesh: DeviceMesh
+    shard: AxisGroup | None            # data-parallel axis the parameter is sharded over (FullyShard)
+    replicate: tuple[AxisGroup, ...]   # data-parallel axes it is replicated over (grads all-reduced)
+    model_parallel: tuple[tuple[AxisGroup, Placement], ...]  # model-parallel axes and placements
+    owner: tuple[nn.Module, str] | None = None  # the module holding it and the attribute name, as sharded
+    flat: FlatUnit | None = None       # its unit's flat parameter, when it lives in one
+    slot: FlatSlot | None = None       # and its place there
+
+    # ---- data-parallel storage (the tensor as seen before the dp all-gather) ----
+    @property
+    def dp_full_shape(self) -> tuple[int, ...]:
+        """Shape after the data-parallel gather: logical, with model-parallel sharding applied."""
+        shape = list(self.logical_shape)
+        for axis, pl in self.model_parallel:
+            if isinstance(pl, (Shard, StridedShard)):
+                shape[pl.dim] = local_size(shape[pl.dim], pl, axis.world, axis.rank)
+        return tuple(shape)
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of dim 0 per data-parallel shard, padded (torch.chunk semantics)."""
+        assert self.shard is not None
+        return math.ceil(self.dp_full_shape[0] / self.shard.world) if self.dp_full_shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.dp_full_shape[1:])
+
+    @property
+    def local_rows(self) -> int:
+        assert self.shard is not None
+        return chunk_size(self.dp_full_shape[0], self.shard.world, self.shard.rank)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        spec = self.layout.unit_spec
+        return (spec.param_dtype if spec is not None else None) or self.dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        spec = self.layout.unit_spec
+        return (spec.reduce_dtype if spec is not None else None) or self.param_dtype
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether the gathered parameter is freed after forward and gathered again in backward:
+        FULL_SHARD, except in the root unit (``""``), which keeps it whatever its spec says, as
+        FSDP2's root does (the backward needs the root's output head first)."""
+        spec = self.layout.unit_spec
+        return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
+
+    @property
+    def placements(self) -> list:
+        """The DTensor placements the parameter is stored with over ``mesh``: the plan's, except that
+        a data-parallel shard of a dim a model-parallel axis shards too (FSDP over a column-parallel
+        Linear, both on dim 0) is a strided shard of each model-parallel piece, as FSDP2 stores it."""
+        placements = [_compat.strided_shard(pl.dim, pl.split_factor) if isinstance(pl, StridedShard) else pl
+                      for pl in self.layout.placements]
+        if self.shard is not None and any(pl == Shard(0) for _, pl in self.model_parallel):
+            mp_world = math.prod(axis.world for axis, pl in self.model_parallel if pl == Shard(0))
+            placements[self.mesh.mesh_dim_names.index(self.shard.name)] = _compat.strided_shard(0, mp_world)
+        return placements
+
+    # ---- views ----
+    def local(self) -> torch.Tensor:
+        """The tensor that holds this rank's shard: the DTensor parameter's local tensor, or its view
+        of the unit's flat parameter. Writing into it changes the model."""
+        if self.slot is not None:
+            return self.flat.local(self.slot)
+        mod, name = self.owner
+        return mod._parameters[name]._local_tensor
+
+    def local_grad(self) -> torch.Tensor | None:
+        """This rank's shard of the parameter's gradient (a view of the flat gradient in a flat unit)."""
+        if self.slot is not None:
+            g = self.flat.param.grad
+            return None if g is None else g.narrow(0, self.slot.offset, self.slot.numel).view(self.slot.shape)
+        mod, name = self.owner
+        g = mod._parameters[name].grad
+        return None if g is None else g._local_tensor
+
+    def dtensor(self) -> DTensor:
+        """This rank's shard as a DTensor over the plan's mesh (sharing storage)."""
+        return self.dtensor_of(self.local())
+
+    def dtensor_of(self, local: torch.Tensor) -> DTensor:
+        """``local``, a tensor laid out as this rank's shard (its optimizer state, say), as a DTensor
+        with the parameter's placements (sharing storage)."""
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.logical_shape),
+                                  stride=torch.empty(self.logical_shape, device="meta").stride())
+
+    def full(self, local: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole parameter from ``local`` (its shard by default, or a tensor laid out like it), on
+        every rank, in a tensor of its own. Over a world of one (or with no sharding) a DTensor's
+        ``full_tensor`` is the local tensor itself; a state dict or optimizer state that aliased the
+        live shard would change with the next step, so that case is copied."""
+        local = (self.local() if local is None else local).detach()
+        full = self.dtensor_of(local).full_tensor()
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            full = full.clone()
+        return full
+
+
+@dataclass(eq=False)
+class ShardedModel:
+    """What graphshard knows about a sharded model; stored as ``model._graphshard``."""
+
+    plan: Plan
+    model_id: int
+    params: dict[str, ShardedParam]                   # by key, in registration order
+    units: dict[str, list[str]]                       # unit FQN -> parameter keys, in registration order
+    axes: dict[str, AxisGroup]                        # every mesh axis of the plan, as c10d sees it
+    flat: dict[str, FlatUnit] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
+    collections: list = field(default_factory=list)   # its sharded embedding collections (SparseCollection)
+    explain: list = field(default_factory=list)       # one Explanation per compiled graph
+    preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
+    sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
+
+    def param_for_fqn(self, fqn: str) -> ShardedParam:
+        for p in self.params.values():
+            if fqn in p.layout.fqns:
+                return p
+        raise KeyError(fqn)
+
+    def owns(self, key: str) -> bool:
+        """Whether ``key`` (a parameter's or a declared layout's) names something of this model."""
+        return key.startswith(f"m{self.model_id}/")
+
+    def meshes(self) -> dict:
+        """Each model-parallel axis's 1-D mesh (DTensor outputs and random-op seeds are agreed over it)."""
+        mesh = self.plan.mesh
+        return {axis: mesh if mesh.ndim == 1 else mesh[axis] for axis in self.plan.model_parallel_axes}
+
+
+_MODELS: "weakref.WeakValueDictionary[int, ShardedModel]" = weakref.WeakValueDictionary()
+
+
+def register(model: ShardedModel) -> None:
+    """Makes ``model``'s keys resolvable by the eager marker implementations (`params.resolve`) and
+    by `model_for_key`, for as long as the model lives."""
+    from graphshard import params
+
+    _MODELS[model.model_id] = model
+    for p in model.params.values():
+        params.remember(p)
+
+
+def model_for_key(key: str) -> ShardedModel | None:
+    """The sharded model a key (``"m<id>/..."``) belongs to. Used only where no model was bound: a
+    model compiled by name (``torch.compile(model, backend="graphshard")``), at the backend's entry."""
+    head = key.split("/", 1)[0]
+    return _MODELS.get(int(head[1:])) if head[:1] == "m" and head[1:].isdigit() else None
