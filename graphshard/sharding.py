@@ -52,7 +52,7 @@ class FlatSlot:
 class FlatUnit:
     """A unit whose parameters live in one flat 1-D parameter ``module._flat_param``."""
 
-    module: nn.Module
+    module: nn.Module = field(repr=False)
     slots: list[FlatSlot]
 
     @property
@@ -77,9 +77,10 @@ class ShardedParam:
     shard: AxisGroup | None            # data-parallel axis the parameter is sharded over (FullyShard)
     replicate: tuple[AxisGroup, ...]   # data-parallel axes it is replicated over (grads all-reduced)
     model_parallel: tuple[tuple[AxisGroup, Placement], ...]  # model-parallel axes and placements
-    owner: tuple[nn.Module, str] | None = None  # the module holding it and the attribute name, as sharded
-    flat: FlatUnit | None = None       # its unit's flat parameter, when it lives in one
-    slot: FlatSlot | None = None       # and its place there
+    # where it is stored (set by storage.shard; left out of the repr, which would print the module)
+    owner: tuple[nn.Module, str] | None = field(default=None, repr=False)  # the module holding it, the attribute
+    flat: FlatUnit | None = field(default=None, repr=False)  # its unit's flat parameter, when it lives in one
+    slot: FlatSlot | None = None                              # and its place there
 
     # ---- data-parallel storage (the tensor as seen before the dp all-gather) ----
     @property

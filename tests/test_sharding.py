@@ -91,6 +91,17 @@ def test_flat_unit_records_are_views_of_the_flat_parameter():
         assert isinstance(view, DTensor) and view.to_local().data_ptr() == record.local().data_ptr()
 
 
+def test_a_sharded_module_prints():
+    # nn.EmbeddingBag's extra_repr takes the repr of its whole __dict__, where the getters' records
+    # live: a record that printed its module would print every module again (a DMP worker's repr
+    # of a model with several bags never returned)
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(flat_params=True)})
+    model = graphshard.shard(nn.Sequential(*[nn.EmbeddingBag(8, 4) for _ in range(3)]), plan)
+    records = list(model._graphshard.params.values())
+    assert all("EmbeddingBag" not in repr(r) and "EmbeddingBag" not in repr(r.flat) for r in records)
+    assert repr(model).count("EmbeddingBag(") == 3
+
+
 def test_graphshard_compiles_in_one_place():
     # every frontend builds a Plan and a CompileConfig and calls api.compile_sharded
     calls = []
