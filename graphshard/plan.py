@@ -193,9 +193,8 @@ class Plan:
     Plan>)`` shards those modules by it and lays the dense part out by the rules.
     """
 
-    def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, strict: bool = False,
-                 collectives: str = "auto", ignored_params: Iterable[str] = (), notes: Iterable[str] = (),
-                 torchrec_plan=None):
+    def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, collectives: str = "auto",
+                 ignored_params: Iterable[str] = (), notes: Iterable[str] = (), torchrec_plan=None):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
@@ -222,7 +221,6 @@ class Plan:
         self.mesh = mesh
         self.axis_names = axes
         self.rules = dict(rules)
-        self.strict = strict
         self.collectives = collectives
         if isinstance(ignored_params, str) or not all(isinstance(g, str) for g in ignored_params):
             raise ValueError(f"Plan(ignored_params={ignored_params!r}): expected parameter FQN globs (strings), "

@@ -34,13 +34,6 @@ def tensor_args(node: fx.Node) -> Iterator[tuple[int | str, fx.Node]]:
             yield k, a
 
 
-def placement_of(node: fx.Node, axis: str) -> Placement:
-    pl = node.meta.get("placement")
-    if pl is None:
-        return R
-    return pl.get(axis, R)
-
-
 def fmt_placement(p: Placement) -> str:
     if hasattr(p, "split_factor"):
         return f"S({p.dim}/{p.split_factor})"

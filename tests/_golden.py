@@ -16,14 +16,26 @@ from graphshard.passes._graph import fmt_placements, normalized_graph
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 
 
+class _Captured(Exception):
+    """Raised by the capturing backend: the graph is what the test wants, not its run."""
+
+
 def capture_dynamo(model: torch.nn.Module, *inputs) -> tuple[fx.GraphModule, list]:
+    """dynamo's graph of ``model(*inputs)`` and its example inputs, without running the graph. On the
+    fake process group a collective's output is whatever torch's fake backend leaves there (torch
+    2.11 leaves it unwritten), so running a graph whose sizes come from an all-to-all would read
+    uninitialized memory: the capturing backend stops the call instead."""
     captured = {}
 
     def backend(gm, example_inputs):
         captured["gm"], captured["inputs"] = gm, list(example_inputs)
-        return gm.forward
+        raise _Captured
 
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    try:
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    except Exception:
+        if "gm" not in captured:
+            raise
     return captured["gm"], captured["inputs"]
 
 
