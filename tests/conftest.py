@@ -25,6 +25,18 @@ def fake_process_group():
     yield
 
 
+@pytest.fixture
+def fake_collective_outputs():
+    """For a test whose values cross the fake process group (a parameter scattered from rank 0, a
+    gradient reduce-scattered): skipped where torch's fake backend leaves a collective's output as
+    allocated (torch 2.11; 2.13 copies the rank's own input), since the values would be uninitialized
+    memory. The same programs' numerics run on gloo ranks in the launch tests."""
+    out = torch.full((WORLD,), -1.0)
+    dist.all_to_all_single(out, torch.arange(float(WORLD)))
+    if bool((out < 0).any()):
+        pytest.skip(f"torch {torch.__version__}'s fake process group leaves collective outputs unwritten")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

@@ -134,13 +134,13 @@ def test_flat_state_is_each_parameters_local_chunk_in_its_slot():
     opt.load_state_dict(FSDP.optim_state_dict_to_load(fsdp, opt, osd))
     state = fsdp._graphshard
     assert len(state.flat) == 3  # the root and its two layers
-    assert sum(len(u.slots) for u in state.flat.values()) == len(state.infos)  # every parameter has a slot
+    assert sum(len(u.slots) for u in state.flat.values()) == len(state.params)  # every parameter has a slot
     for unit in state.flat.values():
         st = opt.state[unit.param]
         assert st["step"].item() == 3.0 and st["exp_avg"].shape == unit.param.shape
         used = torch.zeros(unit.param.numel(), dtype=torch.bool)
         for slot in unit.slots:
-            info = state.infos[slot.key]
+            info = state.params[slot.key]
             # rank 0 of 4 holds torch.chunk's first piece of the full state (FSDP1's layout)
             want = torch.chunk(osd["state"][info.fqn]["exp_avg"], 4, dim=0)[0]
             assert torch.equal(st["exp_avg"].narrow(0, slot.offset, slot.numel).view(slot.shape), want), info.fqn

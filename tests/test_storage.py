@@ -51,6 +51,7 @@ def test_uneven_rows_follow_torch_chunk():
     assert (info.chunk_rows, info.local_rows) == (2, 2)
 
 
+@pytest.mark.usefixtures("fake_collective_outputs")
 def test_model_parallel_params_are_sharded_over_their_axis():
     from _models import tp_mlp_plan
 
@@ -66,6 +67,7 @@ def test_model_parallel_params_are_sharded_over_their_axis():
     assert torch.equal(model.fc2.bias.to_local(), full["fc2.bias"])
 
 
+@pytest.mark.usefixtures("fake_collective_outputs")
 def test_optimizer_and_grad_clipping_work_on_the_sharded_parameters():
     model = mlp()
     graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
