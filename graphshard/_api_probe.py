@@ -37,8 +37,8 @@ class PrivateAPI:
 
 
 _COMPAT = "graphshard/_compat.py"
-_BATCH = f"{_COMPAT} batched_cpp_kernels (CompileConfig.batch_cpp_kernels)"
-_ISA = f"{_COMPAT} inductor_cpu_settings (CompileConfig.fast_isa_check)"
+_BATCH = "graphshard/inductor_cpu.py batched_cpp_kernels (CompileConfig.batch_cpp_kernels)"
+_ISA = "graphshard/inductor_cpu.py inductor_cpu_settings (CompileConfig.fast_isa_check)"
 _ISA_GATE = "without it fast_isa_check does nothing: Inductor checks every ISA itself"
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (

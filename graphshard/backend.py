@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
-from graphshard import _compat, grad_sync
+from graphshard import _compat, grad_sync, inductor_cpu
 from graphshard.config import CompileConfig
 from graphshard.explain import GraphReport, add_compute, collective_kind
 from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
@@ -312,7 +312,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                 else _compat.min_cut_rematerialization_partition)
         if (config.lower == "inductor" and config.fast_isa_check
                 and any(x.device.type == "cpu" for x in _tensors(joint_inputs))):
-            _compat.inductor_cpu_warmup()  # overlaps the partition (see the function)
+            inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
         fw, bw = base(joint, joint_inputs, **kwargs)
         ctx.stage = "forward"
         fw = run_passes(fw, ctx, post_partition_passes())
@@ -346,8 +346,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
                         f.write(compiled_fn.describe() + "\n")
             else:
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
-                    compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _compat.inductor_compile_inner(
-                        g, inputs, is_backward=is_backward, batch=config.batch_cpp_kernels))
+                    compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
+                        g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
             if is_backward and partitioned:
@@ -394,14 +394,20 @@ def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, sh
         if config.regional and whole_graph_reason(g) is None:
             return lower_regions(g, is_backward=True, share=share, compiled=compiled, batch=config.batch_cpp_kernels,
                                  report_strides=False)[0]
-        return _compat.inductor_compile_region(g, inputs, is_backward=True, batch=config.batch_cpp_kernels)
+        with inductor_cpu.batched_cpp_kernels(enabled=config.batch_cpp_kernels):
+            return _compat.inductor_compile_region(g, inputs, is_backward=True)
+
+
+def _whole_graph_compile(g: fx.GraphModule, inputs, is_backward: bool, batch: bool):
+    with inductor_cpu.batched_cpp_kernels(enabled=batch):  # its C++ kernels as one library (opt-in)
+        return _compat.inductor_compile_inner(g, inputs, is_backward=is_backward)
 
 
 def _cpu_settings(inputs, config: CompileConfig) -> dict:
     """Inductor settings for a graph that computes on the CPU: with ``fast_isa_check``, the
-    vector-ISA check done (``_compat.inductor_cpu_settings``); none by default."""
+    vector-ISA check done (``inductor_cpu.inductor_cpu_settings``); none by default."""
     if config.fast_isa_check and any(x.device.type == "cpu" for x in _tensors(inputs)):
-        return _compat.inductor_cpu_settings()
+        return inductor_cpu.inductor_cpu_settings()
     return {}
 
 

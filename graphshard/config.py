@@ -59,7 +59,7 @@ class CompileConfig:
     for every ISA the CPU reports (~3 s instead of ~7 s on a cold cache). Off by default:
     Inductor caches its list of valid ISAs for the process, so a later Inductor compile in
     the process uses the list this check produced (the same list whenever the picked ISA
-    builds; see ``_compat.inductor_cpu_settings``)."""
+    builds; see ``inductor_cpu.inductor_cpu_settings``)."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

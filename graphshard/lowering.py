@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx as fx
 
-from graphshard import _compat
+from graphshard import _compat, inductor_cpu
 from graphshard.explain import add_compute, collective_kind, collective_of_wait
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
@@ -489,7 +489,8 @@ class RegionWork:
     key: tuple = ()
 
     def compile(self, *, batch: bool = False) -> Callable:
-        return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward, batch=batch)
+        with inductor_cpu.batched_cpp_kernels(enabled=batch):  # its C++ kernels as one library (opt-in)
+            return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward)
 
     def digest(self) -> str:
         """The region's identity across processes (what it computes, on which inputs, in
@@ -570,7 +571,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
         todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
         mine: list[str] = []
         try:
-            with _compat.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
+            with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
                 for w in todo:
                     if (w.is_backward, w.key) not in compiled and share.claim(w.digest()):
                         mine.append(w.digest())
@@ -579,7 +580,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
             for digest in mine:  # done (or failed): no rank waits for it any longer
                 share.done(digest)
     deadline = share.deadline() if share is not None else 0.0
-    with _compat.batched_cpp_kernels(enabled=batch, defer=True):  # the rest (all of it without ``share``)
+    with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # the rest (all of it without ``share``)
         for w in work.values():
             if (w.is_backward, w.key) not in compiled:
                 if share is not None:

@@ -6,98 +6,30 @@ A rule gets the node and the current placement of each tensor input (in
 several outputs. Ops without a rule replicate their inputs (a logged fallback).
 Shapes are logical (single-device) when rules run. A rule is exact for the
 math or it requires Replicate; among exact strategies it picks the cheapest
-given the current placements (``_choose``).
+given the current placements (``choose``).
 
-Sections: helpers; pointwise; matmul family; reductions; norms and softmax;
+Sections: pointwise; matmul family; reductions; norms and softmax;
 attention; others. The view family (views, permutations, split/cat/stack,
-slice/select/index, complex views) lives in ``_view_rules.py``.
+slice/select/index, complex views) lives in ``_view_rules.py``; the registry, the ``rule``
+decorator and the helpers both use in ``_rule_kit.py``.
 """
 
 from __future__ import annotations
-
-import inspect
-from typing import Callable
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from graphshard.passes._graph import R, aten, tensor_args, val
-from graphshard.plan import StridedShard  # noqa: F401  (re-exported for the passes)
-
-P = Partial()
-
-
-Rule = Callable[..., "tuple[list[Placement], Placement | list[Placement]]"]
-RULES: dict = {}
-
-
-def rule(*ops):
-    """Registers a rule ``(node, input placements) -> (required, output)`` for ``ops``. A rule
-    that also takes ``world`` (the axis's rank count) gets it: whether a layout can stay
-    sharded sometimes depends on how a dim divides over the ranks."""
-    def deco(fn):
-        fn.takes_world = "world" in inspect.signature(fn).parameters
-        for op in ops:
-            RULES[op] = fn
-        return fn
-
-    return deco
-
-
-# ---------------------------------------------------------------- helpers
-def _ndim(node) -> int:
-    return val(node).dim()
-
-
-def _shape(node):
-    return tuple(val(node).shape)
-
-
-def _is_shard(p) -> bool:
-    return isinstance(p, (Shard, StridedShard))
-
-
-def _moved(p, dim: int):
-    """``p`` (a Shard or StridedShard) on dim ``dim`` instead."""
-    return StridedShard(dim, p.split_factor) if isinstance(p, StridedShard) else Shard(dim)
-
-
-def _is_sum(p) -> bool:
-    return isinstance(p, Partial) and p.reduce_op == "sum"
-
-
-def _arg(node: fx.Node, name: str, default=None):
-    """The value of argument ``name`` of an OpOverload call, positional or keyword."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    for i, a in enumerate(node.target._schema.arguments):
-        if a.name == name:
-            if a.kwarg_only:
-                return default
-            return node.args[i] if i < len(node.args) else default
-    raise KeyError(f"{node.target} has no argument {name!r}")
-
-
-def _broadcast_req(arg, out_dim: int, out_shape) -> Placement:
-    """What a broadcasting input must be when the output is sharded on ``out_dim``:
-    sharded on its matching dim if it has that dim at full size, else replicated."""
-    d = out_dim - (len(out_shape) - _ndim(arg))
-    if d >= 0 and _shape(arg)[d] == out_shape[out_dim] and out_shape[out_dim] > 1:
-        return Shard(d)
-    return R
-
-
-def _no_grad(node) -> bool:
-    """No gradient can flow through ``node``'s value: it is detached or not floating point."""
-    v = val(node)
-    return (isinstance(node, fx.Node) and node.target == aten.detach.default) or not (
-        v.is_floating_point() or v.is_complex())
-
+from graphshard.passes._rule_kit import (
+    RULES, P, Rule, arg_of, broadcast_req, choose, is_partial_sum, is_shard, moved_to, ndim_of, no_grad,
+    rule, shape_of,
+)
+from graphshard.plan import StridedShard
 
 # Partial reduce ops besides "sum" that insert_collectives resolves (Partial -> Replicate) with a
 # forward-only collective (graphshard::all_reduce_max has no autograd formula): a rule yields
-# them only for values no gradient flows through (``_no_grad``); otherwise it replicates first.
+# them only for values no gradient flows through (``no_grad``); otherwise it replicates first.
 FORWARD_ONLY_PARTIALS = frozenset({"max"})
 
 
@@ -120,31 +52,31 @@ def pointwise(node: fx.Node, ins: list[Placement]):
     """
     pos_args = list(tensor_args(node))
     args = [a for _, a in pos_args]
-    out_shape = _shape(node)
+    out_shape = shape_of(node)
     out_nd = len(out_shape)
     partial = [isinstance(p, Partial) for p in ins]
     if any(partial):
-        sums = all(_is_sum(p) for p, is_p in zip(ins, partial) if is_p)
+        sums = all(is_partial_sum(p) for p, is_p in zip(ins, partial) if is_p)
         if sums and node.target in _LINEAR_BINARY and all(partial):
             return ins, P
         if sums and node.target in _LINEAR_SCALE and sum(partial) == 1 and all(
-            is_p or (isinstance(p, Replicate) and _shape(a) == ()) for p, is_p, a in zip(ins, partial, args)
+            is_p or (isinstance(p, Replicate) and shape_of(a) == ()) for p, is_p, a in zip(ins, partial, args)
         ) and (node.target not in _DIVIDES or pos_args[partial.index(True)][0] == 0):
             return ins, P
         ins = [R if isinstance(p, Partial) else p for p in ins]
     # Shard: the first sharded input decides the output dim (aligned from the right).
     out_dim, strided = None, None
     for p, a in zip(ins, args):
-        if _is_shard(p):
-            d = p.dim + out_nd - _ndim(a)
-            if _shape(a)[p.dim] == out_shape[d]:
+        if is_shard(p):
+            d = p.dim + out_nd - ndim_of(a)
+            if shape_of(a)[p.dim] == out_shape[d]:
                 out_dim, strided = d, (p.split_factor if isinstance(p, StridedShard) else None)
                 break
     if out_dim is None:
         return [R] * len(ins), R
     req = []
     for a in args:
-        r = _broadcast_req(a, out_dim, out_shape)
+        r = broadcast_req(a, out_dim, out_shape)
         req.append(r if strided is None or r == R else StridedShard(r.dim, strided))
     return req, (Shard(out_dim) if strided is None else StridedShard(out_dim, strided))
 
@@ -168,7 +100,7 @@ def to_copy(node, ins):
     if isinstance(p, Partial):
         src, dst = val(node.args[0]).dtype, val(node).dtype
         exact = src == dst or (src.is_floating_point and dst.is_floating_point and dst.itemsize > src.itemsize)
-        return (ins, p) if exact and _is_sum(p) else ([R], R)
+        return (ins, p) if exact and is_partial_sum(p) else ([R], R)
     return ins, p
 
 
@@ -181,7 +113,7 @@ def shape_only(node, ins):
     Partial or replicated one a replicated output. Random fills draw the logical tensor's values
     for the output's placement (``localize_random``)."""
     p = ins[0]
-    return ins, p if _is_shard(p) else R
+    return ins, p if is_shard(p) else R
 
 
 @rule(aten.tril.default, aten.triu.default)
@@ -189,30 +121,14 @@ def tril(node, ins):
     """Masks the last two dims by position: a shard there would shift the diagonal (replicate);
     batch dims pass. Any Partial passes: masked entries are 0 on every rank."""
     p = ins[0]
-    if _is_shard(p) and p.dim >= _ndim(node.args[0]) - 2:
+    if is_shard(p) and p.dim >= ndim_of(node.args[0]) - 2:
         return [R], R
     return ins, p
 
 
 # ---------------------------------------------------------------- matmul family
-def _cost(cur: Placement, want: Placement) -> int:
-    if cur == want:
-        return 0
-    if isinstance(cur, Partial) and not _is_sum(cur) and not isinstance(want, Replicate):
-        return 100  # no redistribution exists
-    if isinstance(cur, Replicate) and isinstance(want, Shard):
-        return 1  # a local slice
-    if isinstance(cur, Partial):
-        return 4 if isinstance(want, Replicate) else 3
-    return 2
-
-
-def _choose(ins: list[Placement], strategies):
-    return min(strategies, key=lambda s: sum(_cost(c, w) for c, w in zip(ins, s[0])))
-
-
 def _choose_matmul(ins: list[Placement], strategies):
-    """``_choose`` for the matmul family, where each strategy shards one index space (the rows,
+    """``choose`` for the matmul family, where each strategy shards one index space (the rows,
     the columns, the batch or the contraction) on every operand it names: the same strategy
     with every ``Shard`` a ``StridedShard`` of an input's ``split_factor`` is exact too (a
     fused weight's projections stay sharded through the product)."""
@@ -224,7 +140,7 @@ def _choose_matmul(ins: list[Placement], strategies):
             if any(isinstance(r, Shard) for r in req):
                 variants.append((tuple(StridedShard(r.dim, k) if isinstance(r, Shard) else r for r in req),
                                  StridedShard(out.dim, k) if isinstance(out, Shard) else out))
-    return _choose(ins, [*strategies, *variants])
+    return choose(ins, [*strategies, *variants])
 
 
 def _strided_batch(ins, strategies, n: int):
@@ -243,9 +159,9 @@ def mm(node, ins):
 
 @rule(aten.addmm.default)
 def addmm(node, ins):
-    bias_nd = _ndim(node.args[0])
-    col_bias = Shard(bias_nd - 1) if bias_nd >= 1 and _shape(node.args[0])[-1] > 1 else R
-    row_bias = Shard(0) if bias_nd == 2 and _shape(node.args[0])[0] > 1 else R
+    bias_nd = ndim_of(node.args[0])
+    col_bias = Shard(bias_nd - 1) if bias_nd >= 1 and shape_of(node.args[0])[-1] > 1 else R
+    row_bias = Shard(0) if bias_nd == 2 and shape_of(node.args[0])[0] > 1 else R
     return _choose_matmul(ins, [((R, R, R), R), ((row_bias, Shard(0), R), Shard(0)),
                          ((col_bias, R, Shard(1)), Shard(1)), ((P, Shard(1), Shard(0)), P)])
 
@@ -260,15 +176,15 @@ def bmm(node, ins):
 def baddbmm(node, ins):
     """``beta * input + alpha * (batch1 @ batch2)``: bmm's strategies, the broadcasting ``input``
     sharded like the output (replicated where it broadcasts), or Partial with a contraction shard."""
-    out = _shape(node)
-    inp = [_broadcast_req(node.args[0], d, out) for d in range(3)]
+    out = shape_of(node)
+    inp = [broadcast_req(node.args[0], d, out) for d in range(3)]
     strategies = [((R, R, R), R), ((inp[0], Shard(0), Shard(0)), Shard(0)), ((inp[1], Shard(1), R), Shard(1)),
                   ((inp[2], R, Shard(2)), Shard(2)), ((P, Shard(2), Shard(1)), P)]
     for p in ins[1:]:
         if isinstance(p, StridedShard) and p.dim == 0:
             # The input must broadcast over the batch or already be laid out the same way
             # (a strided shard cannot be made from a replicated value).
-            req = R if _broadcast_req(node.args[0], 0, out) == R else p
+            req = R if broadcast_req(node.args[0], 0, out) == R else p
             if req == R or ins[0] == p:
                 strategies.insert(0, ((req, p, p), p))
     return _choose_matmul(ins, strategies)
@@ -279,11 +195,11 @@ def linear(node, ins):
     """``input @ weight.T + bias`` (it decomposes to mm/addmm under make_fx; kept for graphs
     that keep it): column-parallel, row-parallel, or an input sharded on a batch dim."""
     x, w = node.args[0], node.args[1]
-    nd, has_bias = _ndim(x), len(ins) == 3
-    if _ndim(w) != 2 or nd < 1:
+    nd, has_bias = ndim_of(x), len(ins) == 3
+    if ndim_of(w) != 2 or nd < 1:
         return [R] * len(ins), R
     bias = lambda p: (p,) if has_bias else ()  # noqa: E731
-    col_bias = Shard(0) if has_bias and _shape(node.args[2])[-1] > 1 and _ndim(node.args[2]) == 1 else R
+    col_bias = Shard(0) if has_bias and shape_of(node.args[2])[-1] > 1 and ndim_of(node.args[2]) == 1 else R
     strategies = [((R, R) + bias(R), R), ((R, Shard(0)) + bias(col_bias), Shard(nd - 1)),
                   ((Shard(nd - 1), Shard(1)) + bias(P), P)]
     if isinstance(ins[0], Shard) and ins[0].dim < nd - 1:
@@ -297,7 +213,7 @@ def grouped_mm(node, ins):
     weights sharded on their output dim give the output sharded on its columns, sharded on
     the contraction dim (with the input's columns) a Partial sum; the offsets and the input's
     rows stay whole (which rows go to which expert is global)."""
-    if len(ins) != 3 or _ndim(node.args[0]) != 2 or _ndim(node.args[1]) != 3:
+    if len(ins) != 3 or ndim_of(node.args[0]) != 2 or ndim_of(node.args[1]) != 3:
         return [R] * len(ins), R
     return _choose_matmul(ins, [((R, R, R), R), ((R, Shard(2), R), Shard(1)), ((Shard(1), Shard(1), R), P)])
 
@@ -310,16 +226,16 @@ RULES_BY_NAME = {"transformers::grouped_mm_fallback": grouped_mm}
 # ---------------------------------------------------------------- reductions
 def _reduce_dims(node, dim_name="dim"):
     """(sorted reduced dims, keepdim) of a reduction; no dim (None or []) reduces every dim."""
-    nd = _ndim(node.args[0])
+    nd = ndim_of(node.args[0])
     try:
-        dims = _arg(node, dim_name)
+        dims = arg_of(node, dim_name)
     except KeyError:
         dims = None
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         dims = range(nd)
     dims = sorted({d % max(nd, 1) for d in (dims if isinstance(dims, (list, tuple, range)) else [dims])})
     try:
-        keepdim = bool(_arg(node, "keepdim", False))
+        keepdim = bool(arg_of(node, "keepdim", False))
     except KeyError:
         keepdim = False
     return dims, keepdim
@@ -327,7 +243,7 @@ def _reduce_dims(node, dim_name="dim"):
 
 def _kept(p, dims, keepdim):
     """Where a shard on a dim that is not reduced lands in the output."""
-    return _moved(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
+    return moved_to(p, p.dim if keepdim else p.dim - sum(d < p.dim for d in dims))
 
 
 @rule(aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default)
@@ -339,8 +255,8 @@ def reduction(node, ins):
     dims, keepdim = _reduce_dims(node)
     is_sum = node.target in (aten.sum.dim_IntList, aten.sum.default)
     if isinstance(p, Partial):
-        return (ins, P) if _is_sum(p) else ([R], R)
-    if _is_shard(p):
+        return (ins, P) if is_partial_sum(p) else ([R], R)
+    if is_shard(p):
         if p.dim in dims:
             return (ins, P) if is_sum else ([R], R)
         return ins, _kept(p, dims, keepdim)
@@ -353,10 +269,10 @@ def _minmax_partial(node, ins, reduce_op):
     a Partial of the same reduce op passes."""
     p = ins[0]
     dims, keepdim = _reduce_dims(node)
-    forward_only = reduce_op in FORWARD_ONLY_PARTIALS and _no_grad(node.args[0])
+    forward_only = reduce_op in FORWARD_ONLY_PARTIALS and no_grad(node.args[0])
     if isinstance(p, Partial):  # a max of maxima: already a forward-only value
         return (ins, p) if p.reduce_op == reduce_op else ([R], R)
-    if _is_shard(p):
+    if is_shard(p):
         if p.dim not in dims:
             return ins, _kept(p, dims, keepdim)
         return (ins, Partial(reduce_op)) if forward_only else ([R], R)
@@ -381,7 +297,7 @@ def local_reduction(node, ins):
     dim passes; a reduced sharded dim or a Partial input is replicated first."""
     p = ins[0]
     dims, keepdim = _reduce_dims(node)
-    if _is_shard(p) and p.dim not in dims:
+    if is_shard(p) and p.dim not in dims:
         return ins, _kept(p, dims, keepdim)
     return [R] * len(ins), R
 
@@ -397,7 +313,7 @@ def local_reduction2(node, ins):
 @rule(aten._softmax.default, aten._log_softmax.default)
 def softmax(node, ins):
     p = ins[0]
-    if isinstance(p, Shard) and p.dim != node.args[1] % _ndim(node.args[0]):
+    if isinstance(p, Shard) and p.dim != node.args[1] % ndim_of(node.args[0]):
         return ins, p
     return [R], R
 
@@ -406,7 +322,7 @@ def softmax(node, ins):
 def safe_softmax(node, ins):
     """``_safe_softmax`` (SDPA's math path): a shard on a dim other than the softmax dim passes."""
     p = ins[0]
-    if _is_shard(p) and p.dim != node.args[1] % _ndim(node.args[0]):
+    if is_shard(p) and p.dim != node.args[1] % ndim_of(node.args[0]):
         return ins, p
     return [R], R
 
@@ -414,7 +330,7 @@ def safe_softmax(node, ins):
 @rule(aten.native_layer_norm.default)
 def layer_norm(node, ins):
     p = ins[0]
-    batch_nd = _ndim(node.args[0]) - len(node.args[1])
+    batch_nd = ndim_of(node.args[0]) - len(node.args[1])
     if isinstance(p, Shard) and p.dim < batch_nd:
         return [p] + [R] * (len(ins) - 1), [p, p, p]
     return [R] * len(ins), [R, R, R]
@@ -427,7 +343,7 @@ def rms_norm(node, ins):
     (On CPU ``F.rms_norm`` decomposes to pow/mean/rsqrt/mul under make_fx; the fused op
     is what other backends emit.)"""
     p = ins[0]
-    batch_nd = _ndim(node.args[0]) - len(node.args[1])
+    batch_nd = ndim_of(node.args[0]) - len(node.args[1])
     n_out = len(val(node)) if isinstance(val(node), (list, tuple)) else 1
     out = p if isinstance(p, Shard) and p.dim < batch_nd else None
     if out is None:
@@ -465,22 +381,22 @@ def sdpa(node, ins, world: int):
         res = []
         for i, o in enumerate(outs):
             ok = (d is not None and i in sharded_outs and isinstance(o, torch.Tensor) and o.dim() > d
-                  and o.shape[d] == _shape(q)[d])
+                  and o.shape[d] == shape_of(q)[d])
             res.append(Shard(d) if ok else R)
         return res if len(outs) > 1 else res[0]
 
     strategies = [([R] * n_in, outputs(None))]
-    if all(_ndim(t) == 4 for t in (q, k, v)):
-        mask = _arg(node, mask_name) if mask_name else None
-        hq, hk = _shape(q)[1], _shape(k)[1]
-        gqa = hk != hq and _shape(v)[1] == hk and hq % hk == 0 and hk % world == 0
+    if all(ndim_of(t) == 4 for t in (q, k, v)):
+        mask = arg_of(node, mask_name) if mask_name else None
+        hq, hk = shape_of(q)[1], shape_of(k)[1]
+        gqa = hk != hq and shape_of(v)[1] == hk and hq % hk == 0 and hk % world == 0
         for d in (0, 1):
-            if (len({_shape(t)[d] for t in (q, k, v)}) == 1 or (d == 1 and gqa)) and _shape(q)[d] > 1:
+            if (len({shape_of(t)[d] for t in (q, k, v)}) == 1 or (d == 1 and gqa)) and shape_of(q)[d] > 1:
                 req = [Shard(d)] * 3
                 if n_in > 3:
-                    req.append(_broadcast_req(mask, d, (*_shape(q)[:2], _shape(q)[2], _shape(k)[2])))
+                    req.append(broadcast_req(mask, d, (*shape_of(q)[:2], shape_of(q)[2], shape_of(k)[2])))
                 strategies.append((req, outputs(d)))
-    return _choose(ins, strategies)
+    return choose(ins, strategies)
 
 
 # ---------------------------------------------------------------- others
@@ -488,7 +404,7 @@ def sdpa(node, ins, world: int):
 def embedding(node, ins):
     w, idx = ins[0], ins[1]
     if isinstance(w, Shard) and w.dim == 1:
-        return [w, R], Shard(_ndim(node))  # hidden dim is the last output dim
+        return [w, R], Shard(ndim_of(node))  # hidden dim is the last output dim
     if isinstance(idx, Shard) and isinstance(w, Replicate):
         return ins, idx
     return [R, R], R

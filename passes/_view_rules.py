@@ -5,7 +5,8 @@ to where it lands in the output); an op that splits, joins, slices or selects
 *along* the sharded dim replicates first. Views and selections are linear and
 pick elements without combining them, so any Partial passes through them
 (except the complex views, which pass only Partial("sum")). Registered into
-``_rules.RULES`` on import (``_rules`` imports this module at its end).
+``_rule_kit.RULES`` on import (``_rules`` imports this module at its end, so the registry is
+complete once ``_rules`` is imported).
 """
 
 from __future__ import annotations
@@ -14,23 +15,24 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from graphshard.passes._graph import R, aten, val
-from graphshard.passes._rules import (
-    RULES, StridedShard, _arg, _choose, _is_shard, _is_sum, _moved, _ndim, _shape, rule,
+from graphshard.passes._rule_kit import (
+    RULES, arg_of, choose, is_partial_sum, is_shard, moved_to, ndim_of, rule, shape_of,
 )
+from graphshard.plan import StridedShard
 
 
 # ---------------------------------------------------------------- dim permutations
 def _perm_rule(perm_of):
     def r(node, ins):
         p = ins[0]
-        if _is_shard(p):
-            return ins, _moved(p, perm_of(node).index(p.dim))
+        if is_shard(p):
+            return ins, moved_to(p, perm_of(node).index(p.dim))
         return ins, p
     return r
 
 
 def _transpose_perm(node):
-    nd = _ndim(node.args[0])
+    nd = ndim_of(node.args[0])
     perm = list(range(nd))
     if nd >= 2:
         d0, d1 = node.args[1] % nd, node.args[2] % nd
@@ -38,9 +40,9 @@ def _transpose_perm(node):
     return perm
 
 
-RULES[aten.t.default] = _perm_rule(lambda n: list(range(_ndim(n.args[0])))[::-1])
+RULES[aten.t.default] = _perm_rule(lambda n: list(range(ndim_of(n.args[0])))[::-1])
 RULES[aten.transpose.int] = _perm_rule(_transpose_perm)
-RULES[aten.permute.default] = _perm_rule(lambda n: [d % _ndim(n.args[0]) for d in n.args[1]])
+RULES[aten.permute.default] = _perm_rule(lambda n: [d % ndim_of(n.args[0]) for d in n.args[1]])
 
 
 # ---------------------------------------------------------------- reshapes
@@ -69,11 +71,11 @@ def view(node, ins):
     outermost real output dim; a shard on the innermost dim of a merge becomes a StridedShard
     (split back into Shard by the matching view); anything else replicates."""
     p = ins[0]
-    if not _is_shard(p):
+    if not is_shard(p):
         return ins, p
-    src, dst = _shape(node.args[0]), _shape(node)
+    src, dst = shape_of(node.args[0]), shape_of(node)
     if node.target == aten.expand.default:
-        return ins, _moved(p, p.dim + len(dst) - len(src))
+        return ins, moved_to(p, p.dim + len(dst) - len(src))
     for sdims, ddims in _dim_groups(src, dst) or []:
         if p.dim not in sdims:
             continue
@@ -103,9 +105,9 @@ def view(node, ins):
 @rule(aten.unsqueeze.default)
 def unsqueeze(node, ins):
     p = ins[0]
-    if _is_shard(p):
-        d = node.args[1] % (_ndim(node.args[0]) + 1)
-        return ins, _moved(p, p.dim + (1 if d <= p.dim else 0))
+    if is_shard(p):
+        d = node.args[1] % (ndim_of(node.args[0]) + 1)
+        return ins, moved_to(p, p.dim + (1 if d <= p.dim else 0))
     return ins, p
 
 
@@ -114,9 +116,9 @@ def squeeze(node, ins):
     """Drops the named size-1 dims. A shard on a named dim replicates: a rank's piece of a larger
     dim may have size 1 and would be squeezed locally only. ``squeeze()`` names every dim."""
     p = ins[0]
-    if not _is_shard(p):
+    if not is_shard(p):
         return ins, p
-    shape = _shape(node.args[0])
+    shape = shape_of(node.args[0])
     nd = len(shape)
     if node.target == aten.squeeze.default:
         named = set(range(nd))
@@ -126,7 +128,7 @@ def squeeze(node, ins):
     if p.dim in named:
         return [R], R
     removed = sum(1 for d in named if d < p.dim and shape[d] == 1)
-    return ins, _moved(p, p.dim - removed)
+    return ins, moved_to(p, p.dim - removed)
 
 
 @rule(aten.view_as_complex.default)
@@ -135,8 +137,8 @@ def view_as_complex(node, ins):
     a Partial other than a sum (complex numbers have no max), replicates."""
     p = ins[0]
     if isinstance(p, Partial):
-        return (ins, p) if _is_sum(p) else ([R], R)
-    if _is_shard(p) and p.dim == _ndim(node.args[0]) - 1:
+        return (ins, p) if is_partial_sum(p) else ([R], R)
+    if is_shard(p) and p.dim == ndim_of(node.args[0]) - 1:
         return [R], R
     return ins, p
 
@@ -145,15 +147,15 @@ def view_as_complex(node, ins):
 def view_as_real(node, ins):
     """[...] complex -> [..., 2] real: every dim keeps its number; Partial("sum") passes."""
     p = ins[0]
-    if isinstance(p, Partial) and not _is_sum(p):
+    if isinstance(p, Partial) and not is_partial_sum(p):
         return [R], R
     return ins, p
 
 
 # ---------------------------------------------------------------- split and join
 def _dim(node, name="dim", default=0, nd=None):
-    d = _arg(node, name, default)
-    return d % (nd if nd is not None else _ndim(node.args[0]))
+    d = arg_of(node, name, default)
+    return d % (nd if nd is not None else ndim_of(node.args[0]))
 
 
 @rule(aten.split.Tensor, aten.split_with_sizes.default, aten.unsafe_split.Tensor,
@@ -165,7 +167,7 @@ def split(node, ins):
     of the sharded dim replicates first (the pieces' boundaries differ from the shards')."""
     p = ins[0]
     n = len(val(node))
-    if _is_shard(p) and p.dim == _dim(node):
+    if is_shard(p) and p.dim == _dim(node):
         blocks = pieces_in_blocks(node, p)
         if blocks is None:
             return [R], [R] * n
@@ -179,7 +181,7 @@ def pieces_in_blocks(node, p) -> list[int] | None:
     if not isinstance(p, StridedShard):
         return None
     sizes = [int(v.shape[p.dim]) for v in val(node)]
-    block = _shape(node.args[0])[p.dim] // p.split_factor
+    block = shape_of(node.args[0])[p.dim] // p.split_factor
     if any(s % block for s in sizes):
         return None
     return [s // block for s in sizes]
@@ -189,11 +191,11 @@ def pieces_in_blocks(node, p) -> list[int] | None:
 def unbind(node, ins):
     p = ins[0]
     n = len(val(node))
-    if _is_shard(p):
+    if is_shard(p):
         dim = _dim(node)
         if p.dim == dim:
             return [R], [R] * n
-        return ins, [_moved(p, p.dim - (p.dim > dim))] * n
+        return ins, [moved_to(p, p.dim - (p.dim > dim))] * n
     return ins, [p] * n
 
 
@@ -207,12 +209,12 @@ def _join(node, ins, out_dim_of):
     if all(isinstance(p, Partial) for p in ins) and len(set(ins)) == 1:
         return ins, ins[0]
     strategies = [([R] * n, R)]
-    for c in dict.fromkeys(p for p in ins if _is_shard(p)):
+    for c in dict.fromkeys(p for p in ins if is_shard(p)):
         d = out_dim_of(c.dim)
         if d is None or (isinstance(c, StridedShard) and any(p != c for p in ins)):
             continue  # a replicated or differently laid out input cannot be made a strided shard
-        strategies.append(([c] * n, _moved(c, d)))
-    return _choose(ins, strategies)
+        strategies.append(([c] * n, moved_to(c, d)))
+    return choose(ins, strategies)
 
 
 def _legacy_empty(t) -> bool:
@@ -227,11 +229,11 @@ def cat(node, ins):
     """Inputs sharded alike on a dim other than the joined one keep the shard (``_join``).
     Legacy empty 1-D inputs take no part: they hold nothing to lay out and stay as they are."""
     tensors = node.args[0]
-    out_nd = _ndim(node)
+    out_nd = ndim_of(node)
     if len(ins) != len(tensors):
         return [R] * len(ins), R  # a non-tensor in the list (cannot happen for aten.cat)
     real = [i for i, t in enumerate(tensors) if not (_legacy_empty(t) and out_nd != 1)]
-    if not real or any(_ndim(tensors[i]) != out_nd for i in real):
+    if not real or any(ndim_of(tensors[i]) != out_nd for i in real):
         return [R] * len(ins), R
     dim = _dim(node, nd=out_nd)
     req, out = _join(node, [ins[i] for i in real], lambda d: None if d == dim else d)
@@ -244,13 +246,13 @@ def cat(node, ins):
 @rule(aten.stack.default)
 def stack(node, ins):
     """Stacking adds a new dim: a shared shard always passes, renumbered past the new dim."""
-    dim = _dim(node, nd=_ndim(node))
+    dim = _dim(node, nd=ndim_of(node))
     return _join(node, ins, lambda d: d + (d >= dim))
 
 
 # ---------------------------------------------------------------- slicing and indexing
 def _whole(node, dim, start, end, step=1) -> bool:
-    size = _shape(node.args[0])[dim]
+    size = shape_of(node.args[0])[dim]
     return (step == 1 and start in (None, 0) and (end is None or (isinstance(end, int) and end >= size)))
 
 
@@ -259,28 +261,28 @@ def slice_(node, ins):
     """A slice along another dim keeps the shard; along the sharded dim only the whole range
     (``x[:, ...]`` emits ``slice(x, 0, 0, 9223372036854775807)``) keeps it, else replicate."""
     p = ins[0]
-    if not _is_shard(p):
+    if not is_shard(p):
         return ins, p
     dim = _dim(node)
     if p.dim != dim:
         return ins, p
     if node.target == aten.narrow.default:
         start, length = node.args[2], node.args[3]
-        whole = start == 0 and isinstance(length, int) and length == _shape(node.args[0])[dim]
+        whole = start == 0 and isinstance(length, int) and length == shape_of(node.args[0])[dim]
     else:
-        whole = _whole(node, dim, _arg(node, "start"), _arg(node, "end"), _arg(node, "step", 1))
+        whole = _whole(node, dim, arg_of(node, "start"), arg_of(node, "end"), arg_of(node, "step", 1))
     return (ins, p) if whole else ([R], R)
 
 
 @rule(aten.select.int)
 def select(node, ins):
     p = ins[0]
-    if not _is_shard(p):
+    if not is_shard(p):
         return ins, p
     dim = _dim(node)
     if p.dim == dim:
         return [R], R
-    return ins, _moved(p, p.dim - (p.dim > dim))
+    return ins, moved_to(p, p.dim - (p.dim > dim))
 
 
 @rule(aten.index.Tensor)
@@ -296,7 +298,7 @@ def index(node, ins):
     if not tensors or len(ins) != 1 + len(tensors) or any(val(t).dtype in (torch.bool, torch.uint8) for t in tensors):
         return [R] * len(ins), R
     pos = [i for i, t in enumerate(indices) if t is not None]
-    bshape = tuple(torch.broadcast_shapes(*(_shape(t) for t in tensors)))
+    bshape = tuple(torch.broadcast_shapes(*(shape_of(t) for t in tensors)))
     nb = len(bshape)
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
     offset = pos[0] if adjacent else 0  # where B's dims start in the output
@@ -311,14 +313,14 @@ def index(node, ins):
         return ins, px
     n_idx = len(tensors)
     strategies = [([R] * len(ins), R)]
-    if _is_shard(px) and px.dim not in pos:
-        strategies.append(([px] + [R] * n_idx, _moved(px, out_dim_of_x(px.dim))))
+    if is_shard(px) and px.dim not in pos:
+        strategies.append(([px] + [R] * n_idx, moved_to(px, out_dim_of_x(px.dim))))
     for t, p in zip(tensors, ins[1:]):
-        if isinstance(p, Shard) and _shape(t)[p.dim] > 1:
-            b = p.dim + nb - _ndim(t)
+        if isinstance(p, Shard) and shape_of(t)[p.dim] > 1:
+            b = p.dim + nb - ndim_of(t)
             req = [R]
             for u in tensors:
-                e = b - (nb - _ndim(u))
-                req.append(Shard(e) if e >= 0 and _shape(u)[e] == bshape[b] else R)
+                e = b - (nb - ndim_of(u))
+                req.append(Shard(e) if e >= 0 and shape_of(u)[e] == bshape[b] else R)
             strategies.append((req, Shard(offset + b)))
-    return _choose(ins, strategies)
+    return choose(ins, strategies)

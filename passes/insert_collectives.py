@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
-from graphshard.passes._rules import StridedShard
+from graphshard.plan import StridedShard
 from graphshard.passes.pipeline import PassContext, log
 
 

@@ -35,7 +35,7 @@ from torch.distributed.tensor import Partial, Shard
 from graphshard import _compat
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten
-from graphshard.passes._rules import StridedShard
+from graphshard.plan import StridedShard
 from graphshard.passes.pipeline import PassContext, log
 from graphshard.rng import RandomDraws
 

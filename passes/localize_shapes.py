@@ -19,7 +19,7 @@ from torch.distributed.tensor import Shard
 
 from graphshard.params import chunk_size
 from graphshard.passes._graph import aten
-from graphshard.passes._rules import StridedShard
+from graphshard.plan import StridedShard
 from graphshard.passes.pipeline import PassContext
 
 # op -> index of its size argument

@@ -1,4 +1,4 @@
-"""C++ kernels built together (``_compat.batched_cpp_kernels``, opt-in through
+"""C++ kernels built together (``inductor_cpu.batched_cpp_kernels``, opt-in through
 ``CompileConfig.batch_cpp_kernels``): one library per generated module, one per deferred
 block, found again through the kernel index, and Inductor's own per-kernel build whenever
 the batch cannot take a kernel, on any other thread, and by default."""
@@ -14,7 +14,7 @@ from expecttest import TestCase
 
 import graphshard
 from _models import fsdp_plan, stack
-from graphshard import _compat
+from graphshard import _compat, inductor_cpu
 
 
 def _two_kernels(x):
@@ -42,7 +42,7 @@ def _index(cache: str) -> dict[str, str]:
 
 def _compiled(fn, x, **batch):
     torch._dynamo.reset()
-    with _compat.batched_cpp_kernels(**batch):
+    with inductor_cpu.batched_cpp_kernels(**batch):
         return torch.compile(fn, backend="inductor")(x)
 
 
@@ -68,7 +68,7 @@ class KernelBatchTest(TestCase):
 
     def test_deferred_block_builds_once(self):
         torch._dynamo.reset()
-        with _compat.batched_cpp_kernels(defer=True):
+        with inductor_cpu.batched_cpp_kernels(defer=True):
             a = torch.compile(_two_kernels, backend="inductor")
             b = torch.compile(_other_kernels, backend="inductor")
             # Each compile runs its graph once; the kernels it calls build early, the rest at the end.
@@ -84,7 +84,7 @@ class KernelBatchTest(TestCase):
 
         decomp = _compat.inductor_decompositions()
         gms = [_compat.make_fx(fn, decomposition_table=decomp)(self.x) for fn in (_two_kernels, _other_kernels)]
-        with _compat.batched_cpp_kernels(defer=True):
+        with inductor_cpu.batched_cpp_kernels(defer=True):
             compiled = [compile_fx_inner(gm, [self.x]) for gm in gms]
         index = _index(self.cache)
         self.assertGreaterEqual(len(index), 4)
@@ -95,8 +95,8 @@ class KernelBatchTest(TestCase):
     def test_index_serves_a_second_compile(self):
         self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         built = []
-        real = _compat._build_kernels
-        with mock.patch.object(_compat, "_build_kernels", lambda ks, ids: built.append(len(ks)) or real(ks, ids)):
+        real = inductor_cpu._build_kernels
+        with mock.patch.object(inductor_cpu, "_build_kernels", lambda ks, ids: built.append(len(ks)) or real(ks, ids)):
             self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         self.assertEqual(built, [])
 
@@ -104,17 +104,17 @@ class KernelBatchTest(TestCase):
         def unparsable(kernels):
             raise ValueError("kernel argument type 'bool' is not one the batch parses")
 
-        with mock.patch.object(_compat, "_kernel_batch_source", unparsable):
+        with mock.patch.object(inductor_cpu, "_kernel_batch_source", unparsable):
             self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         self.assertEqual(_index(self.cache), {})
 
     def test_batch_source_names_each_kernel(self):
         src = 'extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)\n{ }\n'
-        text = _compat._kernel_batch_source([(["const float*", "float*", "const int64_t"], src)] * 2)
+        text = inductor_cpu._kernel_batch_source([(["const float*", "float*", "const int64_t"], src)] * 2)
         self.assertIn("graphshard_k1::kernel_1(graphshard_arg_ptr<float*>(args, 0), "
                       "graphshard_arg_ptr<float*>(args, 1), graphshard_arg_int64(args, 2))", text)
         with pytest.raises(ValueError, match="'bool'"):
-            _compat._kernel_batch_source([(["bool"], src)])
+            inductor_cpu._kernel_batch_source([(["bool"], src)])
 
 
 def _third_kernels(x):
@@ -125,9 +125,9 @@ def _regions_compiled_with(record):
     """Patches ``_compat.inductor_compile_region`` to call ``record(is_backward)`` before each region."""
     compile_region = _compat.inductor_compile_region
 
-    def recorded(gm, inputs, *, is_backward, batch=False):
+    def recorded(gm, inputs, *, is_backward):
         record(is_backward)
-        return compile_region(gm, inputs, is_backward=is_backward, batch=batch)
+        return compile_region(gm, inputs, is_backward=is_backward)
 
     return mock.patch.object(_compat, "inductor_compile_region", recorded)
 
@@ -141,7 +141,7 @@ def test_default_compile_patches_nothing():
     seen, warmups = [], []
     with (_regions_compiled_with(lambda bw: seen.append(
             ((AsyncCompile.cpp_pybinding, AsyncCompile.wait) == own, inductor_config.cpp.vec_isa_ok))),
-          mock.patch.object(_compat, "inductor_cpu_warmup", lambda: warmups.append(1))):
+          mock.patch.object(inductor_cpu, "inductor_cpu_warmup", lambda: warmups.append(1))):
         model = stack()
         graphshard.compile(model, fsdp_plan(), lower="inductor")
         model(torch.randn(4, 8)).sum().backward()
@@ -155,7 +155,7 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
     # completion on another thread. Its kernels are built by Inductor, not collected into
     # graphshard's batch; graphshard's are.
     added = []
-    add = _compat._KernelBatch.add
+    add = inductor_cpu._KernelBatch.add
 
     def tracked_add(self, argtypes, source):
         added.append(threading.get_ident())
@@ -170,16 +170,16 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
 
     def on_region(is_backward):
         if is_backward and "thread" not in other:
-            other["hooks"] = _compat.inductor_hooks_installed()
+            other["hooks"] = inductor_cpu.inductor_hooks_installed()
             t = threading.Thread(target=plain_compile)
             t.start()
             t.join()
 
-    with mock.patch.object(_compat._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
+    with mock.patch.object(inductor_cpu._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
         model = stack()
         graphshard.compile(model, fsdp_plan(), lower="inductor", batch_cpp_kernels=True)
         model(torch.randn(4, 8)).sum().backward()
     assert other["hooks"] and other["ok"], other
     assert added and other["thread"] not in added
     assert threading.get_ident() in added
-    assert not _compat.inductor_hooks_installed()
+    assert not inductor_cpu.inductor_hooks_installed()

@@ -1,4 +1,4 @@
-"""The vector-ISA check before the first C++ kernel (``_compat.inductor_cpu_settings``, opt-in
+"""The vector-ISA check before the first C++ kernel (``inductor_cpu.inductor_cpu_settings``, opt-in
 through ``CompileConfig.fast_isa_check``): graphshard checks only the ISA Inductor will pick,
 starts that check when the joint graph is partitioned, and compiles CPU code with Inductor
 told the check is done. By default it does none of this (``test_kernel_batch.py``)."""
@@ -16,7 +16,7 @@ from torch._inductor import config as inductor_config
 
 import graphshard
 from _models import fsdp_plan, stack
-from graphshard import _compat
+from graphshard import _compat, inductor_cpu
 
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the shortcut is x86-only")
 
@@ -33,10 +33,10 @@ def test_inductor_picks_the_same_isa_after_graphshards_check():
     # Each in a fresh process: Inductor's own check of every ISA, and graphshard's check of the
     # one it picks followed by Inductor's pick under the setting it returns.
     own = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
-    ours = ("from graphshard import _compat\n"
+    ours = ("from graphshard import inductor_cpu\n"
             "from torch._inductor import config\n"
             "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
-            "settings = _compat.inductor_cpu_settings()\n"
+            "settings = inductor_cpu.inductor_cpu_settings()\n"
             "assert settings == {'cpp.vec_isa_ok': True}, settings\n"
             "with config.patch(settings):\n"
             "    print(pick_vec_isa())\n")
@@ -51,13 +51,13 @@ def test_declines_when_another_isa_is_asked_for():
                   inductor_config.patch({"cpp.simdlen": 256}),
                   inductor_config.patch({"cpp.vec_isa_ok": False})):
         with asked:
-            assert _compat._picked_isa() is None
-            assert _compat.inductor_cpu_settings() == {}
+            assert inductor_cpu._picked_isa() is None
+            assert inductor_cpu.inductor_cpu_settings() == {}
 
 
 def test_cpu_compile_starts_the_check_and_compiles_with_it():
     events = []
-    warmup, compile_region = _compat.inductor_cpu_warmup, _compat.inductor_compile_region
+    warmup, compile_region = inductor_cpu.inductor_cpu_warmup, _compat.inductor_compile_region
     partition = _compat.inductor_partition_fn
 
     def record_partition(*args, **kwargs):
@@ -72,7 +72,7 @@ def test_cpu_compile_starts_the_check_and_compiles_with_it():
         events.append(("region", inductor_config.cpp.vec_isa_ok))
         return compile_region(*args, **kwargs)
 
-    with (mock.patch.object(_compat, "inductor_cpu_warmup", record_warmup),
+    with (mock.patch.object(inductor_cpu, "inductor_cpu_warmup", record_warmup),
           mock.patch.object(_compat, "inductor_partition_fn", record_partition),
           mock.patch.object(_compat, "inductor_compile_region", record_region)):
         model = stack()
