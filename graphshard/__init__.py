@@ -6,7 +6,7 @@ collectives the plan implies, scheduled to overlap compute, lowered by Inductor.
 """
 
 from graphshard.api import compile, explain, shard
-from graphshard.auto_plan import auto_plan
+from graphshard.planning.auto_plan import auto_plan
 from graphshard.config import CompileConfig
 from graphshard.grad_sync import no_sync
 from graphshard.plan import FullyShard, Plan, Replicate, ShardEmbedding, ShardParams, StridedShard

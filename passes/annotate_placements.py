@@ -32,7 +32,7 @@ import torch.fx as fx
 from graphshard.ops import ops
 from graphshard.passes import _expansions, _rules
 from graphshard.passes._graph import R, is_tensor_node, tensor_args
-from graphshard.passes.pipeline import PassContext, log
+from graphshard.passes.context import PassContext, log
 from graphshard.styles import parse_placement
 
 

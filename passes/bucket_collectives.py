@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.context import PassContext
 
 
 def unshard_units(gm: fx.GraphModule, ctx: PassContext) -> dict[str, list[fx.Node]]:

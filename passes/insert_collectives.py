@@ -32,7 +32,7 @@ from graphshard.explain import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
 from graphshard.plan import StridedShard
-from graphshard.passes.pipeline import PassContext, log
+from graphshard.passes.context import PassContext, log
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

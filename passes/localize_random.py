@@ -36,7 +36,7 @@ from graphshard import _compat
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten
 from graphshard.plan import StridedShard
-from graphshard.passes.pipeline import PassContext, log
+from graphshard.passes.context import PassContext, log
 from graphshard.rng import RandomDraws
 
 # Freshly allocated buffers that an in-place random fill may replace outright.

@@ -20,7 +20,7 @@ from torch.distributed.tensor import Shard
 from graphshard.params import chunk_size
 from graphshard.passes._graph import aten
 from graphshard.plan import StridedShard
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.context import PassContext
 
 # op -> index of its size argument
 _SIZE_ARG = {

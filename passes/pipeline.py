@@ -3,58 +3,26 @@
 from __future__ import annotations
 
 import collections
-import logging
 import os
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch.fx as fx
 
-from graphshard.config import CompileConfig
-from graphshard.explain import GraphReport
 from graphshard.ops import compiling
-from graphshard.params import AxisGroup
-from graphshard.rng import RandomDraws
-from graphshard.sharding import ShardedModel, ShardedParam
+from graphshard.passes.annotate_placements import annotate_placements
+from graphshard.passes.bucket_collectives import bucket_collectives
+from graphshard.passes.context import Pass, PassContext, log
+from graphshard.passes.insert_collectives import insert_collectives
+from graphshard.passes.localize_random import localize_random
+from graphshard.passes.localize_shapes import localize_shapes
+from graphshard.passes.relax_views import relax_views
+from graphshard.passes.schedule_overlap import schedule_overlap
+from graphshard.passes.shard_embeddings import shard_embeddings
+from graphshard.passes.tag_resharding import tag_resharding
 
-log = logging.getLogger("graphshard.passes")
-
-Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
-
-
-@dataclass
-class PassContext:
-    """What every pass may read, built once per graph by the backend (`backend.prepare`) from the
-    sharded models the graph reads; passes record what they did in the outputs at the end."""
-
-    config: CompileConfig
-    models: tuple[ShardedModel, ...]        # the sharded models whose parameters or layouts the graph reads
-    params: dict[str, ShardedParam]         # their parameters, by the key a marker carries
-    model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
-    group_axes: dict[str, str]              # mesh axis name -> c10d group name
-    meshes: dict                            # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
-    sparse: dict                            # embedding-collection key -> its SparseCollection on this rank
-    input_units: list                       # per graph input: the unit of the parameter shard it is, or None
-    input_requires_grad: list               # per graph input: whether it requires grad
-    fake_mode: object
-    graph_index: int
-    # ---- what passes and the backend record as the compile goes ----
-    report: GraphReport
-    random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
-    stage: str = "pre_autograd"        # set by the backend: which graph the post-partition passes are on
-    dump_counter: collections.Counter = field(default_factory=collections.Counter)
+__all__ = ["Pass", "PassContext", "op_counts", "post_partition_passes", "pre_autograd_passes", "run_passes"]
 
 
 def pre_autograd_passes() -> list[Pass]:
-    from graphshard.passes.annotate_placements import annotate_placements
-    from graphshard.passes.bucket_collectives import bucket_collectives
-    from graphshard.passes.insert_collectives import insert_collectives
-    from graphshard.passes.localize_random import localize_random
-    from graphshard.passes.localize_shapes import localize_shapes
-    from graphshard.passes.relax_views import relax_views
-    from graphshard.passes.shard_embeddings import shard_embeddings
-    from graphshard.passes.tag_resharding import tag_resharding
-
     return [
         relax_views,          # first: no later step may depend on the first trace's strides
         annotate_placements,  # placements from the markers and plan, on the logical program
@@ -68,8 +36,6 @@ def pre_autograd_passes() -> list[Pass]:
 
 
 def post_partition_passes() -> list[Pass]:
-    from graphshard.passes.schedule_overlap import schedule_overlap
-
     return [
         schedule_overlap,     # on the partitioned graphs, where all-gathers and reduce-scatters are explicit
     ]

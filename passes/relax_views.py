@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from graphshard.passes._graph import aten
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.context import PassContext
 
 
 def relax_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -49,7 +49,7 @@ import torch.fx as fx
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
 from graphshard.explain import CollectiveRecord, add_compute, collective_of_wait
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.context import PassContext
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
            c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all",

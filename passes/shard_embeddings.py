@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.passes.pipeline import PassContext, log
+from graphshard.passes.context import PassContext, log
 from graphshard.sparse.ops import lookup_args, ops as sparse_ops
 
 

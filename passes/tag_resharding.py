@@ -20,7 +20,7 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.passes.bucket_collectives import unshard_units
-from graphshard.passes.pipeline import PassContext
+from graphshard.passes.context import PassContext
 
 
 def tag_resharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

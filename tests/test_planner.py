@@ -22,7 +22,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig  # noqa: E402
 from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E402
 
 from graphshard.model_parallel import EmbeddingShardingPlanner  # noqa: E402
-from graphshard.model_parallel import _cost  # noqa: E402
+from graphshard.planning import cost as _cost  # noqa: E402
 
 META = torch.device("meta")
 GiB = 2**30

@@ -8,6 +8,7 @@ import torch.fx as fx
 from expecttest import TestCase
 
 import graphshard
+import graphshard.passes.pipeline as pipeline_module
 import graphshard.passes.schedule_overlap as schedule_module
 from _golden import compiled_stages
 from _models import fsdp_plan, mesh1d, seeded, stack
@@ -427,7 +428,7 @@ class TestSettingsKeepNumerics(TestCase):
                                                       "": graphshard.FullyShard()})
                 with mock.patch.object(AxisGroup, "gather_coalesced", new_callable=mock.PropertyMock,
                                        return_value=coalesced), \
-                        mock.patch.object(schedule_module, "schedule_overlap", capture):
+                        mock.patch.object(pipeline_module, "schedule_overlap", capture):  # where the pipeline reads it
                     compiled_stages(model, plan, (torch.randn(4, 10),), **kw)
                 values, reference = {}, {}
                 for stage, gm in graphs.items():

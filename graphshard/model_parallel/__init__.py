@@ -12,6 +12,6 @@ Plans, sharders, ``ShardingEnv`` and ``KeyedJaggedTensor`` are TorchRec's own ty
 """
 
 from graphshard.model_parallel._dmp import DistributedModelParallel, FullyShardDense
-from graphshard.model_parallel._planner import EmbeddingShardingPlanner
+from graphshard.planning.embedding_planner import EmbeddingShardingPlanner
 
 __all__ = ["DistributedModelParallel", "EmbeddingShardingPlanner", "FullyShardDense"]

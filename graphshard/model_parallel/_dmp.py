@@ -24,7 +24,7 @@ import torch.nn as nn
 from graphshard import _compat
 from graphshard.api import compile_config, compile_sharded
 from graphshard.model_parallel import _plan, _state
-from graphshard.model_parallel._planner import EmbeddingShardingPlanner
+from graphshard.planning.embedding_planner import EmbeddingShardingPlanner
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sparse.collection import new_key
 from graphshard.sparse.torchrec import collection_layout, install

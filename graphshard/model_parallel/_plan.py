@@ -3,7 +3,7 @@
 - Each sharded module is found once by identity, with every FQN it is reachable under (two
   towers holding one ``EmbeddingBagCollection``; an ``EmbeddingCollection`` likewise). The plan may name any of those FQNs; the
   same plan under several of them is one plan, two different plans for one module is an error.
-- ``plan=None``: graphshard's planner chooses (``_planner.py``); ``explain`` prints its plan.
+- ``plan=None``: graphshard's planner chooses (``graphshard/planning/embedding_planner.py``); ``explain`` prints its plan.
 - The fused optimizer of a module's tables: ``apply_optimizer_in_backward`` on its table
   weights (TorchRec's in-backward optimizer, read from the parameters), else the sharder's
   ``fused_params``, else fbgemm's defaults (EXACT_SGD, learning rate 0.01).

@@ -5,7 +5,7 @@
 ``ShardingPlan``; ``collective_plan(module, sharders, pg)`` plans on rank 0 and broadcasts, so
 every rank gets the same plan (an error on rank 0 is raised on every rank, none is left waiting).
 
-How it plans (the cost model is ``_cost.py``, written out in docs/cost-model.md):
+How it plans (the cost model is ``cost_model.py``, written out in docs/cost-model.md):
 
 1. Each table's options: the sharding types its ``ParameterConstraints`` allow (default: all),
    that its sharder knows (on any device) and that graphshard runs (table-, row-, column-wise,
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 import torch.nn as nn
 
-from graphshard.model_parallel import _cost
-from graphshard.model_parallel._cost import CW, DP, RW, TW, TWRW, Cost, Hardware, Option, TableStats
+from graphshard.planning import cost as cost_model
+from graphshard.planning.cost import CW, DP, RW, TW, TWRW, Cost, Hardware, Option, TableStats
 
 log = logging.getLogger("graphshard.model_parallel")
 
@@ -149,7 +149,7 @@ class EmbeddingShardingPlanner:
         plans: dict[str, tuple[nn.Module, dict]] = {}
         for i, (fqn, mod, cfg, _, _) in enumerate(tables):
             plans.setdefault(fqn, (mod, {}))[1][cfg.name] = assignment.options[i]
-        plan = ShardingPlan({fqn: _module_plan(mod, options, hw, topology.compute_device)
+        plan = ShardingPlan({fqn: module_plan(mod, options, hw, topology.compute_device)
                              for fqn, (mod, options) in plans.items()})
         if self._debug:
             log.info("planner:\n%s", self.estimate.format())
@@ -168,7 +168,7 @@ class EmbeddingShardingPlanner:
             if mp is None or cfg.name not in mp:
                 raise ValueError(f"the plan has no entry for table {cfg.name!r} of {fqn}")
             option = _option_of(mp[cfg.name], hw)
-            cost = _cost.estimate(stats, option, hw)
+            cost = cost_model.estimate(stats, option, hw)
             estimates.append(TableEstimate(fqn, cfg.name, option, cost))
             for r in range(hw.world):
                 load[r] += cost.time(r)
@@ -181,7 +181,7 @@ class EmbeddingShardingPlanner:
         from graphshard.model_parallel import _plan
 
         topology = self._topology or _default_topology(world)
-        hw = _cost.hardware_of(topology)
+        hw = cost_model.hardware_of(topology)
         sharders = list(sharders) if sharders is not None else _default_sharders()
         tables: list[tuple[str, nn.Module, object, TableStats, list[str]]] = []
         for mod, fqns in _plan.find_modules(module).values():
@@ -301,18 +301,18 @@ def _fits(cost: Cost, memory: list[int], hw: Hardware) -> bool:
     return all(memory[r] + m <= hw.capacity[r] for r, m in cost.memory.items())
 
 
-def _place(tables, hw: Hardware, min_partition, only: str | None = None) -> Assignment:
+def place(tables, hw: Hardware, min_partition, only: str | None = None) -> Assignment:
     """Largest table first, each under the option (of ``only``'s type where the table allows it)
     that raises the most loaded rank least, then the sum, within memory."""
     load, memory = [0.0] * hw.world, [0] * hw.world
     options, costs = {}, {}
-    size = {i: _cost.estimate(t[3], Option(TW, (0,)), hw).time(0) for i, t in enumerate(tables)}
+    size = {i: cost_model.estimate(t[3], Option(TW, (0,)), hw).time(0) for i, t in enumerate(tables)}
     for i in sorted(range(len(tables)), key=lambda i: (-size[i], i)):
         fqn, _, cfg, stats, kinds = tables[i]
         kinds = [only] if only in kinds else kinds
         best = None
         for order, option in enumerate(_candidates(stats, kinds, hw, load, min_partition(cfg.name))):
-            cost = _cost.estimate(stats, option, hw)
+            cost = cost_model.estimate(stats, option, hw)
             if not _fits(cost, memory, hw):
                 continue
             after = [load[r] + cost.time(r) for r in range(hw.world)]
@@ -337,7 +337,7 @@ def _improve(a: Assignment, tables, hw: Hardware, min_partition, passes: int = 4
             load = [a.load[r] - old.time(r) for r in range(hw.world)]
             memory = [a.memory[r] - old.memory.get(r, 0) for r in range(hw.world)]
             for option in _candidates(stats, kinds, hw, load, min_partition(cfg.name)):
-                cost = _cost.estimate(stats, option, hw)
+                cost = cost_model.estimate(stats, option, hw)
                 if option == a.options[i] or not _fits(cost, memory, hw):
                     continue
                 after = [load[r] + cost.time(r) for r in range(hw.world)]
@@ -358,7 +358,7 @@ def _best(tables, hw: Hardware, min_partition) -> Assignment:
         if only is not None and not any(only in t[4] for t in tables):
             continue
         try:
-            proposals.append(_place(tables, hw, min_partition, only))
+            proposals.append(place(tables, hw, min_partition, only))
         except Infeasible as e:
             error = error or e
     if not proposals:
@@ -368,7 +368,7 @@ def _best(tables, hw: Hardware, min_partition) -> Assignment:
 
 
 def _infeasible_message(fqn, cfg, stats, kinds, hw: Hardware, memory, min_partition) -> str:
-    need = min((max(_cost.estimate(stats, o, hw).memory.values()) for o in
+    need = min((max(cost_model.estimate(stats, o, hw).memory.values()) for o in
                 _candidates(stats, kinds, hw, [0.0] * hw.world, min_partition)), default=0)
     free = max(c - m for c, m in zip(hw.capacity, memory))
     return (f"the tables do not fit: table {cfg.name!r} of {fqn} needs at least {_mib(need)} on a rank "
@@ -380,7 +380,7 @@ def _infeasible_message(fqn, cfg, stats, kinds, hw: Hardware, memory, min_partit
 # ---------------------------------------------------------------------------------------------
 # TorchRec types
 # ---------------------------------------------------------------------------------------------
-def _module_plan(mod: nn.Module, options: dict, hw: Hardware, device_type: str) -> dict:
+def module_plan(mod: nn.Module, options: dict, hw: Hardware, device_type: str) -> dict:
     from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,

@@ -350,7 +350,7 @@ def _state_per_row(optimizer: str, dim: int) -> int:
 
 
 def _bag_table(call: _Call, optimizer: str) -> _Table:
-    from graphshard.model_parallel._cost import TableStats
+    from graphshard.planning.cost import TableStats
 
     w = call.module.weight
     rows, dim = w.shape
@@ -373,7 +373,7 @@ def _torchrec_collections(model: nn.Module) -> dict:
 
 def _torchrec_tables(collections: dict, kjts: dict, optimizer: str) -> list[_Table]:
     """Each table of each TorchRec collection, its ids per sample read from the KJT it got."""
-    from graphshard.model_parallel._cost import TableStats
+    from graphshard.planning.cost import TableStats
     from graphshard.sparse.torchrec import is_sequence, table_configs
 
     tables = []
@@ -409,20 +409,20 @@ def _torchrec_plan(tables: list[_Table], placed: list, hw):
         return None
     from torchrec.distributed.types import ShardingPlan
 
-    from graphshard.model_parallel._planner import _module_plan
+    from graphshard.planning.embedding_planner import module_plan
 
-    return ShardingPlan({fqn: _module_plan(mod, options, hw, "cpu") for fqn, (mod, options) in chosen.items()})
+    return ShardingPlan({fqn: module_plan(mod, options, hw, "cpu") for fqn, (mod, options) in chosen.items()})
 
 
 def _place_tables(stats, dp: int, capacity: int) -> list:
     """The embedding planner's placement (largest table first, the option that raises the most
     loaded rank least) in ``capacity`` bytes per rank: (option, cost) per table."""
-    from graphshard.model_parallel import _planner
-    from graphshard.model_parallel._cost import CW, DP, RW, TW, Hardware
+    from graphshard.planning import embedding_planner
+    from graphshard.planning.cost import CW, DP, RW, TW, Hardware
 
     hw = Hardware(world=dp, local=dp, mem_bw=_MEM_BW, intra_bw=_LINK_BW, inter_bw=_LINK_BW, bwd_multiplier=2.0,
                   capacity=(max(capacity, 0),) * dp)
     kinds = [TW, RW, CW, DP] if dp > 1 else [TW]
     tables = [(t.name, None, SimpleNamespace(name=t.name), t, kinds) for t in stats]
-    a = _planner._place(tables, hw, lambda _: 1)  # ShardEmbedding splits columns into any equal blocks
+    a = embedding_planner.place(tables, hw, lambda _: 1)  # ShardEmbedding splits columns into any equal blocks
     return [(a.options[i], a.costs[i]) for i in range(len(stats))], hw

@@ -1,0 +1,44 @@
+"""What every pass reads (`PassContext`) and where passes log: the passes import this, and the
+pipeline (`pipeline.py`) imports the passes."""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.fx as fx
+
+from graphshard.config import CompileConfig
+from graphshard.explain import GraphReport
+from graphshard.params import AxisGroup
+from graphshard.rng import RandomDraws
+from graphshard.sharding import ShardedModel, ShardedParam
+
+log = logging.getLogger("graphshard.passes")
+
+Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+
+
+@dataclass
+class PassContext:
+    """What every pass may read, built once per graph by the backend (`backend.prepare`) from the
+    sharded models the graph reads; passes record what they did in the outputs at the end."""
+
+    config: CompileConfig
+    models: tuple[ShardedModel, ...]        # the sharded models whose parameters or layouts the graph reads
+    params: dict[str, ShardedParam]         # their parameters, by the key a marker carries
+    model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
+    group_axes: dict[str, str]              # mesh axis name -> c10d group name
+    meshes: dict                            # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
+    sparse: dict                            # embedding-collection key -> its SparseCollection on this rank
+    input_units: list                       # per graph input: the unit of the parameter shard it is, or None
+    input_requires_grad: list               # per graph input: whether it requires grad
+    fake_mode: object
+    graph_index: int
+    # ---- what passes and the backend record as the compile goes ----
+    report: GraphReport
+    random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
+    stage: str = "pre_autograd"        # set by the backend: which graph the post-partition passes are on
+    dump_counter: collections.Counter = field(default_factory=collections.Counter)
