@@ -69,11 +69,6 @@ def make_backend(model: ShardedModel, config: CompileConfig) -> Callable:
 
 
 def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: tuple[ShardedModel, ...]):
-    with compiling({}):  # nothing of another compile's models is visible while this one traces
-        return _compile_bound(gm, example_inputs, config, models)
-
-
-def _compile_bound(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: tuple[ShardedModel, ...]):
     t0 = time.perf_counter()
     prepared = prepare(gm, example_inputs, config, models)
     t1 = time.perf_counter()

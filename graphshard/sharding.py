@@ -19,6 +19,7 @@ key through `params.resolve` (a weak map, filled here).
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from graphshard import _compat
+from graphshard import _compat, params
 from graphshard.params import AxisGroup, chunk_size, local_size
 from graphshard.plan import FullyShard, ParamLayout, Plan, StridedShard
 
@@ -125,8 +126,8 @@ class ShardedParam:
         spec = self.layout.unit_spec
         return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
 
-    @property
-    def placements(self) -> list:
+    @functools.cached_property
+    def placements(self) -> tuple:
         """The DTensor placements the parameter is stored with over ``mesh``: the plan's, except that
         a data-parallel shard of a dim a model-parallel axis shards too (FSDP over a column-parallel
         Linear, both on dim 0) is a strided shard of each model-parallel piece, as FSDP2 stores it."""
@@ -135,7 +136,7 @@ class ShardedParam:
         if self.shard is not None and any(pl == Shard(0) for _, pl in self.model_parallel):
             mp_world = math.prod(axis.world for axis, pl in self.model_parallel if pl == Shard(0))
             placements[self.mesh.mesh_dim_names.index(self.shard.name)] = _compat.strided_shard(0, mp_world)
-        return placements
+        return tuple(placements)
 
     # ---- views ----
     def local(self) -> torch.Tensor:
@@ -215,8 +216,6 @@ _MODELS: "weakref.WeakValueDictionary[int, ShardedModel]" = weakref.WeakValueDic
 def register(model: ShardedModel) -> None:
     """Makes ``model``'s keys resolvable by the eager marker implementations (`params.resolve`) and
     by `model_for_key`, for as long as the model lives."""
-    from graphshard import params
-
     _MODELS[model.model_id] = model
     for p in model.params.values():
         params.remember(p)

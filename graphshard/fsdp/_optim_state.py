@@ -280,7 +280,7 @@ def _local_of(v: torch.Tensor, info: ShardedParam, name: str, fqn: str) -> torch
     from graphshard.fsdp._wrapper import local_of_full
 
     if isinstance(v, DTensor):
-        if v.device_mesh == info.mesh and list(v.placements) == info.placements \
+        if v.device_mesh == info.mesh and tuple(v.placements) == info.placements \
                 and tuple(v.shape) == tuple(info.logical_shape):
             return v.to_local()
         v = v.full_tensor()

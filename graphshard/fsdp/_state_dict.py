@@ -171,7 +171,7 @@ class StateDictMixin:
                 value = state_dict[fqn]
                 dst = info.local()
                 if isinstance(value, DTensor):
-                    value = value.to_local() if tuple(value.placements) == tuple(info.placements) \
+                    value = value.to_local() if tuple(value.placements) == info.placements \
                         and value.to_local().shape == dst.shape else local_of_full(value.full_tensor(), info)
                 else:
                     if tuple(value.shape) != tuple(info.logical_shape):
