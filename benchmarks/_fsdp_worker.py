@@ -126,7 +126,7 @@ def build_graphshard_comm(model, mesh, lr) -> StepFn:
     On a CPU machine the ranks' transfers run on the cores that compute, so this run's CPU
     seconds per step are what communication takes from any sharded step."""
     graphshard, plan = _graphshard_plan(mesh)
-    from graphshard.ops import gather_params, reduce_grads
+    from graphshard.ops.dense import gather_params, reduce_grads
 
     graphshard.shard(model, plan)
     state = model._graphshard

@@ -37,16 +37,16 @@ class PrivateAPI:
 
 
 _COMPAT = "graphshard/_compat.py"
-_BATCH = "graphshard/inductor_cpu.py batched_cpp_kernels (CompileConfig.batch_cpp_kernels)"
-_ISA = "graphshard/inductor_cpu.py inductor_cpu_settings (CompileConfig.fast_isa_check)"
+_BATCH = "graphshard/compiler/inductor_cpu.py batched_cpp_kernels (CompileConfig.batch_cpp_kernels)"
+_ISA = "graphshard/compiler/inductor_cpu.py inductor_cpu_settings (CompileConfig.fast_isa_check)"
 _ISA_GATE = "without it fast_isa_check does nothing: Inductor checks every ISA itself"
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     # multi-tensor ops and functional collectives
-    ("torch._foreach_add", "graphshard/ops.py grad packing (_compat.foreach_add)"),
-    ("torch._foreach_add_", "graphshard/ops.py grad packing (_compat.foreach_add_)"),
-    ("torch._foreach_div_", "graphshard/ops.py grad packing (_compat.foreach_div_)"),
-    ("torch._foreach_copy_", "graphshard/ops.py grad packing (_compat.foreach_clone)"),
+    ("torch._foreach_add", "graphshard/ops/dense.py grad packing (_compat.foreach_add)"),
+    ("torch._foreach_add_", "graphshard/ops/dense.py grad packing (_compat.foreach_add_)"),
+    ("torch._foreach_div_", "graphshard/ops/dense.py grad packing (_compat.foreach_div_)"),
+    ("torch._foreach_copy_", "graphshard/ops/dense.py grad packing (_compat.foreach_clone)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor.default",
      "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default",
@@ -103,7 +103,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch.fx.experimental.symbolic_shapes.ShapeEnvSettings{allow_dynamic_output_shape_ops}",
      f"{_COMPAT} allow_data_dependent_sizes (backend.py; data-dependent sizes: sparse all-to-all)"),
     ("torch.fx.experimental.symbolic_shapes.is_concrete_int", "lowering.py (_compat.is_concrete_int)"),
-    ("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", "graphshard/explain.py"),
+    ("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", "graphshard/compiler/explain.py"),
     ("torch._dynamo.config[capture_dynamic_output_shape_ops]",
      "model_parallel/_dmp.py (_compat.trace_data_dependent_outputs: sequence lookups)"),
     ("torch._dynamo.utils.counters", "tests (_compat.dynamo_counters)"),

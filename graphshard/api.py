@@ -7,9 +7,9 @@ from typing import Literal
 
 import torch.nn as nn
 
-from graphshard.backend import make_backend
+from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
-from graphshard.explain import explain
+from graphshard.compiler.explain import explain
 from graphshard.plan import Plan
 from graphshard.storage import shard, state_of
 

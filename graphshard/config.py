@@ -39,7 +39,7 @@ class CompileConfig:
     """With Inductor: lower each compute region between communication steps on its own and
     compile each distinct region once (the layers of a model share them), instead of one
     Inductor compile of the whole graph. Inductor's work then grows with the number of
-    distinct layers, not with depth; tracing still grows with depth (``graphshard.lowering``)."""
+    distinct layers, not with depth; tracing still grows with depth (``graphshard.compiler.lowering``)."""
     strict: bool = False
     """Make a missing placement rule an error (naming the op and node) instead of a logged fallback."""
     share_compile: bool = True

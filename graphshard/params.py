@@ -64,17 +64,19 @@ def chunk_size(n: int, world: int, rank: int) -> int:
 _KEYS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
 
 
-def remember(param) -> None:
-    """Makes a `graphshard.sharding.ShardedParam` resolvable by its key while its model lives."""
-    _KEYS[param.key] = param
+def remember(key: str, obj) -> None:
+    """Makes ``obj`` (a `graphshard.sharding.ShardedParam` or a
+    `graphshard.sparse.collection.SparseCollection`) resolvable by its key while it lives."""
+    _KEYS[key] = obj
 
 
 def resolve(key: str):
-    """The `graphshard.sharding.ShardedParam` a marker's key names. For the eager implementations of
-    graphshard's marker ops only: a compile reads its parameters from the model it is bound to."""
+    """The parameter or embedding collection a marker's key names. For the eager implementations
+    of graphshard's marker ops, and for a graph compiled by backend name (which is bound to no
+    model): a compile reads its parameters from the model it is bound to."""
     try:
         return _KEYS[key]
     except KeyError:
         raise ValueError(
-            f"graphshard parameter {key!r} is unknown: the model it belonged to was freed or never sharded"
+            f"graphshard key {key!r} is unknown: the model it belonged to was freed or never sharded"
         ) from None

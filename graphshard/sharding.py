@@ -218,7 +218,7 @@ def register(model: ShardedModel) -> None:
     by `model_for_key`, for as long as the model lives."""
     _MODELS[model.model_id] = model
     for p in model.params.values():
-        params.remember(p)
+        params.remember(p.key, p)
 
 
 def model_for_key(key: str) -> ShardedModel | None:

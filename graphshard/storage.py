@@ -20,7 +20,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from graphshard import sharding
-from graphshard.ops import local_chunk, ops
+from graphshard.ops import ops
+from graphshard.ops.dense import local_chunk
 from graphshard.params import AxisGroup
 from graphshard.plan import FullyShard, Plan, StridedShard, resolve
 from graphshard.sharding import FLAT_PARAM, FlatSlot, FlatUnit, ShardedModel, ShardedParam

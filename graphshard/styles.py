@@ -202,9 +202,6 @@ class PrepareModuleOutput(ParallelStyle):
         return ModuleIO(outputs=outs, use_local_output=self.use_local_output)
 
 
-STYLES = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, PrepareModuleOutput)
-
-
 def placement_str(p: Placement) -> str:
     """The compact form the ``graphshard::layout`` op carries: ``R`` or ``S(<dim>)``."""
     return f"S({p.dim})" if isinstance(p, Shard) else "R"

@@ -33,8 +33,23 @@ import torch
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 POOLINGS = ("sum", "mean")
+LAYOUT = ("weights_offsets", "row_offsets", "table_rows", "D_offsets", "feature_table_map")
+"""The ``TBELayout`` tensors graphshard::triton_tbe_lookup takes, in order."""
 WEIGHT_DECAY_MODES = {0: "none", 1: "L2", 2: "decoupled"}
 """fbgemm's ``WeightDecayMode`` values graphshard supports (row-wise Adagrad only)."""
+
+
+def first_out_of_range(ids: torch.Tensor, counts: torch.Tensor, limits: torch.Tensor) -> tuple[int, int] | None:
+    """(position, row) of the first id outside ``[0, limit)`` of its row, or None. The ids are
+    grouped by row, ``counts[r]`` of them in row ``r``; a negative limit checks only the sign."""
+    if ids.numel() == 0:
+        return None
+    limit = torch.repeat_interleave(limits, counts, output_size=ids.numel())
+    bad = (ids < 0) | ((ids >= limit) & (limit >= 0))
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0, 0])
+    return i, int(torch.searchsorted(counts.cumsum(0), i, right=True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,10 +81,6 @@ class TBEOptimizer:
             )
         if self.weight_decay != 0.0 and self.weight_decay_mode == 0:
             raise ValueError("weight_decay is set but weight_decay_mode is 0 (none); use 1 (L2) or 2 (decoupled)")
-
-    @property
-    def kind_id(self) -> int:
-        return OPTIMIZERS.index(self.kind)
 
 
 @dataclass(frozen=True)

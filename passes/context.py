@@ -11,9 +11,9 @@ from typing import Callable
 import torch.fx as fx
 
 from graphshard.config import CompileConfig
-from graphshard.explain import GraphReport
+from graphshard.compiler.explain import GraphReport
 from graphshard.params import AxisGroup
-from graphshard.rng import RandomDraws
+from graphshard.ops.rng import RandomDraws
 from graphshard.sharding import ShardedModel, ShardedParam
 
 log = logging.getLogger("graphshard.passes")

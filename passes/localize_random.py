@@ -8,7 +8,7 @@ for data parallelism), and shards repeat each other's values when they are equal
 
 Each random op (dropout's ``bernoulli_`` or ``native_dropout``, ``rand``/``randn``/``randint``
 and their ``_like`` forms, ``bernoulli``, ``uniform_``, ``normal_``) becomes
-``graphshard::random_bits`` (``graphshard/rng.py``: 32 random bits per element, a function of
+``graphshard::random_bits`` (``graphshard/ops/rng.py``: 32 random bits per element, a function of
 the call's key, the op's number and the element's index in the LOGICAL tensor; this rank's
 coordinate on each sharding axis picks its part) and the ATen ops that turn bits into the op's
 distribution. The key and coordinates are graph inputs that the backend feeds per call
@@ -37,7 +37,7 @@ from graphshard.ops import ops
 from graphshard.passes._graph import R, aten
 from graphshard.plan import StridedShard
 from graphshard.passes.context import PassContext, log
-from graphshard.rng import RandomDraws
+from graphshard.ops.rng import RandomDraws
 
 # Freshly allocated buffers that an in-place random fill may replace outright.
 _FRESH = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default, aten.zeros_like.default,

@@ -7,7 +7,7 @@ import os
 
 import torch.fx as fx
 
-from graphshard.ops import compiling
+from graphshard.ops.dense import compiling
 from graphshard.passes.annotate_placements import annotate_placements
 from graphshard.passes.bucket_collectives import bucket_collectives
 from graphshard.passes.context import Pass, PassContext, log

@@ -48,7 +48,7 @@ import torch.fx as fx
 
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
-from graphshard.explain import CollectiveRecord, add_compute, collective_of_wait
+from graphshard.compiler.explain import CollectiveRecord, add_compute, collective_of_wait
 from graphshard.passes.context import PassContext
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",

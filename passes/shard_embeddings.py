@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.passes.context import PassContext, log
-from graphshard.sparse.ops import lookup_args, ops as sparse_ops
+from graphshard.ops.sparse import lookup_args, ops as sparse_ops
 
 
 def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

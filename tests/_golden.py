@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import graphshard
-from graphshard.backend import prepare
+from graphshard.compiler.backend import prepare
 from graphshard.config import CompileConfig
 from graphshard.passes._graph import fmt_placements, normalized_graph
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes

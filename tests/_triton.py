@@ -12,15 +12,16 @@ import pytest
 import torch
 
 
-def import_kernel(name: str):
-    """``graphshard.kernels.<name>``, skipping the test module where triton is not installed."""
+def import_kernel(module: str):
+    """``module`` (graphshard's Triton kernels, or the op that runs them), skipping the test module
+    where triton is not installed."""
     saved = os.environ.get("TRITON_INTERPRET")
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         pytest.importorskip("triton")
         importlib.import_module("graphshard.kernels.triton_tbe")  # the kernels, under the interpreter
-        return importlib.import_module(f"graphshard.kernels.{name}")
+        return importlib.import_module(module)
     finally:
         if saved is None:
             os.environ.pop("TRITON_INTERPRET", None)

@@ -18,7 +18,7 @@ def test_backend_registered_by_entry_point_without_importing_graphshard():
     assert out.stdout.strip() == "True", out.stderr
     code = "import torch, sys\nfrom torch._dynamo import lookup_backend\nfn = lookup_backend('graphshard')\nprint(fn.__module__)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.stdout.strip() == "graphshard.backend", out.stderr
+    assert out.stdout.strip() == "graphshard.compiler.backend", out.stderr
 
 
 def test_no_recompile_over_steps_and_no_graph_breaks():
@@ -39,7 +39,7 @@ def test_shared_compile_claims_work_by_content_and_waits_only_for_claimed_work()
     # first rank that claims it; the other waits for it only until the claimer says it is
     # done, and at most its bound, after which it compiles the work itself. Work nobody
     # else claimed is never waited for: the claim wins at once.
-    from graphshard.backend import SharedCompile
+    from graphshard.compiler.backend import SharedCompile
 
     store = torch.distributed.HashStore()
     first, second = SharedCompile(store, "node0/"), SharedCompile(store, "node0/", wait_s=0.2)
@@ -189,7 +189,7 @@ def test_a_fake_tensor_failure_stops_the_compile_instead_of_running_eagerly():
     import pytest
     import torch.fx as fx
 
-    from graphshard.backend import graphshard_backend
+    from graphshard.compiler.backend import graphshard_backend
 
     gm = fx.symbolic_trace(lambda x: torch.nonzero(x))  # sizes only the data knows; no shape env to hold them
     with pytest.raises(RuntimeError, match=r"(?s)graphshard could not trace this graph \(DynamicOutputShapeException.*silent fallback"):

@@ -3,7 +3,8 @@ from expecttest import TestCase
 
 from _golden import graph_after
 from _models import fsdp_plan, tiny_transformer
-from graphshard.ops import _coalesced_inputs, ops
+from graphshard.ops import ops
+from graphshard.ops.dense import _coalesced_inputs
 from graphshard.testing.models import token_batch
 
 

@@ -1,4 +1,4 @@
-"""kernels/fbgemm_tbe.py: graphshard's TBE op against fbgemm's own module and the torch reference.
+"""graphshard/ops/tbe_fbgemm.py: graphshard's TBE op against fbgemm's own module and the torch reference.
 
 Same tables, same ids, same fused optimizer: the pooled output, the updated weights and the
 optimizer state after three steps equal fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 pytest.importorskip("fbgemm_gpu")
-fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
-from graphshard.kernels.fused_tbe import FusedTBE, TBESlot, reference_lookup  # noqa: E402
-EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_tbe._fbgemm()
+from graphshard.sparse.fused_tbe import FusedTBE, TBESlot, fbgemm_types, reference_lookup  # noqa: E402
+
+EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_types()
 
 SHAPES = [(10, 4), (6, 8)]
 SLOTS = [TBESlot(0, "t0/f0"), TBESlot(0, "t0/f2"), TBESlot(1, "t1/f1")]  # two features share table 0

@@ -319,7 +319,7 @@ def test_ignored_module_stays_a_plain_module():
     from torch.distributed.tensor import DTensor
 
     model = _model()
-    fsdp = _wrap(model, ignored_modules=[model.norm], use_orig_params=True)
+    _wrap(model, ignored_modules=[model.norm], use_orig_params=True)
     assert not isinstance(model.norm.weight, DTensor) and model.norm.weight.shape == (16,)
     assert isinstance(model.output.weight, DTensor)
 

@@ -14,7 +14,8 @@ from expecttest import TestCase
 
 import graphshard
 from _models import fsdp_plan, stack
-from graphshard import _compat, inductor_cpu
+from graphshard import _compat
+from graphshard.compiler import inductor_cpu
 
 
 def _two_kernels(x):

@@ -1,4 +1,4 @@
-"""graphshard/sparse/kjt_ops.py: graphshard's torch KJT ops against a hand-written reference (plain
+"""graphshard/ops/kjt.py: graphshard's torch KJT ops against a hand-written reference (plain
 Python over lists) and, where fbgemm is installed, against fbgemm's ops they stand in for."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphshard.sparse.kjt_ops import KJTOps
+from graphshard.ops.kjt import KJTOps
 
 TORCH = KJTOps(fbgemm=False)
 

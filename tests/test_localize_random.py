@@ -17,13 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from expecttest import TestCase
-from torch.distributed.tensor import Shard
 
 import graphshard
 from _golden import graph_after
-from _models import fsdp_plan, mesh1d, seeded
-from graphshard.ops import ops
-from graphshard.rng import KeyStream, RandomDraws, random_bits
+from _models import mesh1d, seeded
+from graphshard.ops.rng import KeyStream, RandomDraws, random_bits
 from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
 from graphshard.testing.models import DropoutMLP
 

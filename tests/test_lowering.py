@@ -8,7 +8,7 @@ from expecttest import TestCase
 import graphshard
 from _models import fsdp_plan, seeded, stack
 from graphshard import _compat
-from graphshard.lowering import is_communication, lower_regions, split_regions, whole_graph_reason
+from graphshard.compiler.lowering import is_communication, lower_regions, split_regions, whole_graph_reason
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
 
@@ -26,12 +26,12 @@ def _lowered(model, **kwargs) -> dict[str, str]:
 
 
 class DeepStack(torch.nn.Module):
-    """Six identical layers, each its own unit, scaled by a constant that every layer reads
+    """``depth`` identical layers, each its own unit, scaled by a constant that every layer reads
     (as attention layers read one mask)."""
 
-    def __init__(self):
+    def __init__(self, depth: int = 6):
         super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(6))
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8, bias=False) for _ in range(depth))
 
     def forward(self, x):
         scale = torch.full((8,), 0.5)
@@ -121,17 +121,26 @@ eager(1 in, 1 out): views
 """)
 
     def test_identical_layers_compile_once(self):
-        model = seeded(DeepStack)
-        graphshard.compile(model, fsdp_plan(), lower="inductor")
-        model(torch.randn(4, 8)).sum().backward()
-        regions = model._graphshard.explain[0].regions
         # Every region remakes the shared constant instead of the first layer handing it on,
         # so the layers share one key. The relu masks that backward saves, which the
         # partitioner computes at the end of the graph, would make the last layer's region
         # differ; it is cut after the layer's own computation, and the masks are a region.
-        self.assertEqual(regions["forward"]["regions"], 7)
-        self.assertEqual(regions["forward"]["compiled"], 2)
-        self.assertLess(regions["backward"]["compiled"], regions["backward"]["regions"])
+        # So: one region per layer plus the masks', and two compiled whatever the depth.
+        counts = {}
+        for depth in (3, 6):
+            model = seeded(DeepStack, depth)
+            graphshard.compile(model, fsdp_plan(), lower="inductor")
+            model(torch.randn(4, 8)).sum().backward()
+            counts[depth] = model._graphshard.explain[0].regions
+        for depth, regions in counts.items():
+            self.assertEqual(regions["forward"]["regions"], depth + 1)
+            self.assertEqual(regions["forward"]["compiled"], 2)
+            self.assertLess(regions["backward"]["compiled"], regions["backward"]["regions"])
+        # the backward compiles as many regions at depth 6 as at 3, and each added layer adds
+        # the same whole number of regions (its gradient's communication splits it)
+        self.assertEqual(counts[3]["backward"]["compiled"], counts[6]["backward"]["compiled"])
+        added = counts[6]["backward"]["regions"] - counts[3]["backward"]["regions"]
+        self.assertTrue(added > 0 and added % 3 == 0, added)
 
     def test_last_layer_reuses_layer_region(self):
         # The last layer's region would run on into the tail; it is cut after the layer, so

@@ -24,7 +24,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
-from graphshard.sparse.ops import ops as sparse_ops  # noqa: E402
+from graphshard.ops.sparse import ops as sparse_ops  # noqa: E402
 
 FUSED = "fused"
 

@@ -139,7 +139,7 @@ def test_setup_offline_with_torch_only(tmp_path, closed_port):
         seen = json.loads(out.stdout.splitlines()[-1])
         assert [os.path.realpath(f) for f in seen["files"]] == [os.path.join(REPO, d, "__init__.py")
                                                                 for d in ("graphshard", "passes", "kernels")]
-        assert ["graphshard", "graphshard.backend:graphshard_backend"] in seen["backends"], seen
+        assert ["graphshard", "graphshard.compiler.backend:graphshard_backend"] in seen["backends"], seen
 
         again, seconds = _setup(py, closed_port)  # idempotent: graphshard is not installed again
         print(f"again: {seconds:.1f} s\n{again.stderr}")

@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 from _golden import capture_dynamo, render  # noqa: E402
 import graphshard  # noqa: E402
 from graphshard import _compat  # noqa: E402
-from graphshard.backend import prepare  # noqa: E402
+from graphshard.compiler.backend import prepare  # noqa: E402
 from graphshard.config import CompileConfig  # noqa: E402
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes  # noqa: E402
@@ -247,7 +247,7 @@ class <lambda>(torch.nn.Module):
         # (kjt_bucketize, a cumsum for the offsets) where fbgemm's were, the Triton lookup
         from _triton import import_kernel
 
-        import_kernel("triton_tbe_op")  # on the CPU: under Triton's interpreter (the capture runs the model once)
+        import_kernel("graphshard.ops.tbe_triton")  # on the CPU: under Triton's interpreter (the capture runs the model once)
         text, _ = after_pass([T("a", ["f0"], rows=10)], {"a": row_wise(compute_kernel="fused_triton")})
         self.assertNotIn("fbgemm", text)
         self.assertExpectedInline(text, """\

@@ -1,5 +1,5 @@
 """Sharded embeddings where fbgemm is absent (the GPU machine has none; its CPU build has no CUDA
-kernels): graphshard's Triton TBE and its torch KJT ops (``graphshard/sparse/kjt_ops.py``).
+kernels): graphshard's Triton TBE and its torch KJT ops (``graphshard/ops/kjt.py``).
 
 ``ShardEmbedding(kernel="triton")`` on plain ``nn.EmbeddingBag`` modules (row-wise, table-wise
 with mean pooling, a column-wise table 12 wide in two 6-wide shards, data-parallel, beside a

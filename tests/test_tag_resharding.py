@@ -9,7 +9,7 @@ from graphshard.testing.models import lm_loss, token_batch
 def _tags(text_model, plan):
     import graphshard
     from _golden import capture_dynamo
-    from graphshard.backend import prepare
+    from graphshard.compiler.backend import prepare
     from graphshard.config import CompileConfig
     from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 

@@ -16,7 +16,7 @@ import torch
 
 from _triton import import_kernel
 
-triton_tbe = import_kernel("triton_tbe")
+triton_tbe = import_kernel("graphshard.kernels.triton_tbe")
 from graphshard.kernels.tbe_reference import (  # noqa: E402
     TBELayout, TBEOptimizer, reference_forward, reference_update_,
 )
@@ -56,8 +56,10 @@ def _weights(layout, dtype=torch.float32, seed=0):
 def _fbgemm(layout, weights, *, pooling="sum", optimizer=None):
     """fbgemm's CPU module over the same tables, holding a copy of ``weights``."""
     pytest.importorskip("fbgemm_gpu")
-    fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
-    EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_tbe._fbgemm()
+    pytest.importorskip("fbgemm_gpu")
+    from graphshard.sparse.fused_tbe import fbgemm_types
+
+    EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_types()
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
     optimizer = optimizer or TBEOptimizer(kind="sgd")

@@ -1,4 +1,4 @@
-"""kernels/triton_tbe_op.py: ``FusedTBE(kernel="triton")`` (TorchRec's ``compute_kernel="fused_triton"``)
+"""graphshard/ops/tbe_triton.py: ``FusedTBE(kernel="triton")`` (TorchRec's ``compute_kernel="fused_triton"``)
 against ``FusedTBE(kernel="fbgemm")`` on the same tables, ids and fused optimizer.
 
 The Triton op reads and updates the buffers fbgemm's module built (tables and optimizer state in
@@ -14,11 +14,13 @@ import torch
 
 from _triton import import_kernel
 
-import_kernel("triton_tbe_op")
+import_kernel("graphshard.ops.tbe_triton")
 pytest.importorskip("fbgemm_gpu")  # the Triton op is compared with fbgemm's kernel on the same tables
-fbgemm_tbe = pytest.importorskip("graphshard.kernels.fbgemm_tbe")
-EmbOptimType = fbgemm_tbe._fbgemm()[0]
-from graphshard.kernels.fused_tbe import FusedTBE, TBESlot  # noqa: E402
+pytest.importorskip("fbgemm_gpu")
+from graphshard.sparse.fused_tbe import fbgemm_types  # noqa: E402
+
+EmbOptimType = fbgemm_types()[0]
+from graphshard.sparse.fused_tbe import FusedTBE, TBESlot  # noqa: E402
 
 SHAPES = [(10, 4), (6, 8)]
 SLOTS = [TBESlot(0, "t0/f0"), TBESlot(0, "t0/f2"), TBESlot(1, "t1/f1")]  # two features share table 0

@@ -16,7 +16,8 @@ from torch._inductor import config as inductor_config
 
 import graphshard
 from _models import fsdp_plan, stack
-from graphshard import _compat, inductor_cpu
+from graphshard import _compat
+from graphshard.compiler import inductor_cpu
 
 x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the shortcut is x86-only")
 
@@ -33,7 +34,7 @@ def test_inductor_picks_the_same_isa_after_graphshards_check():
     # Each in a fresh process: Inductor's own check of every ISA, and graphshard's check of the
     # one it picks followed by Inductor's pick under the setting it returns.
     own = "from torch._inductor.cpu_vec_isa import pick_vec_isa; print(pick_vec_isa())"
-    ours = ("from graphshard import inductor_cpu\n"
+    ours = ("from graphshard.compiler import inductor_cpu\n"
             "from torch._inductor import config\n"
             "from torch._inductor.cpu_vec_isa import pick_vec_isa\n"
             "settings = inductor_cpu.inductor_cpu_settings()\n"

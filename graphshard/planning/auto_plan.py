@@ -42,7 +42,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from graphshard.plan import FullyShard, Plan, Replicate, ShardEmbedding
-from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+from graphshard.styles import ColwiseParallel, RowwiseParallel
 
 TP_AXIS = "tp"
 _LINK_BW, _MEM_BW = 10e9, 50e9
@@ -362,7 +362,7 @@ def _bag_table(call: _Call, optimizer: str) -> _Table:
 
 def _torchrec_collections(model: nn.Module) -> dict:
     """TorchRec ``EmbeddingBagCollection`` s / ``EmbeddingCollection`` s by identity: (module, first FQN)."""
-    from graphshard.model_parallel._plan import find_modules
+    from graphshard.sparse.torchrec_plan import find_modules
 
     try:
         found = find_modules(model)

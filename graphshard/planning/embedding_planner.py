@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from graphshard.planning import cost as cost_model
 from graphshard.planning.cost import CW, DP, RW, TW, TWRW, Cost, Hardware, Option, TableStats
+from graphshard.sparse import torchrec_plan
 
 log = logging.getLogger("graphshard.model_parallel")
 
@@ -158,13 +159,11 @@ class EmbeddingShardingPlanner:
     def estimate_plan(self, module: nn.Module, plan, sharders=None, *, world: int | None = None) -> PlanEstimate:
         """The cost model's estimate of any TorchRec ``plan`` for ``module`` (a hand plan, TorchRec's
         planner's), on this planner's topology and workload: what ``plan`` estimates for its own."""
-        from graphshard.model_parallel import _plan
-
         _, hw, tables = self._tables(module, sharders, world)
-        found = _plan.find_modules(module)
+        found = torchrec_plan.find_modules(module)
         load, memory, estimates = [0.0] * hw.world, [0] * hw.world, []
         for fqn, mod, cfg, stats, _ in tables:
-            mp = _plan.module_plan(found[id(mod)][1], plan)
+            mp = torchrec_plan.module_plan(found[id(mod)][1], plan)
             if mp is None or cfg.name not in mp:
                 raise ValueError(f"the plan has no entry for table {cfg.name!r} of {fqn}")
             option = _option_of(mp[cfg.name], hw)
@@ -178,18 +177,16 @@ class EmbeddingShardingPlanner:
 
     def _tables(self, module: nn.Module, sharders, world: int | None):
         """The topology, its cost-model view, and each planned table: (fqn, module, config, stats, kinds)."""
-        from graphshard.model_parallel import _plan
-
         topology = self._topology or _default_topology(world)
         hw = cost_model.hardware_of(topology)
         sharders = list(sharders) if sharders is not None else _default_sharders()
         tables: list[tuple[str, nn.Module, object, TableStats, list[str]]] = []
-        for mod, fqns in _plan.find_modules(module).values():
+        for mod, fqns in torchrec_plan.find_modules(module).values():
             sharder = next((s for s in sharders if isinstance(mod, s.module_type)), None)
             if sharder is None:
                 log.warning("planner: no sharder handles %s (%s); it is not planned", fqns[0], type(mod).__name__)
                 continue
-            fused = _plan.fused_params_of(mod, fqns[0], sharder)
+            fused = torchrec_plan.fused_params_of(mod, fqns[0], sharder)
             for cfg in _table_configs(mod):
                 stats = self._stats(mod, cfg, fused)
                 tables.append((fqns[0], mod, cfg, stats, self._kinds(fqns[0], mod, cfg, sharder, topology, hw)))

@@ -10,25 +10,17 @@ table's local piece as a view of that storage (the state dict reads and writes t
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
 import torch.nn as nn
 
-from graphshard.kernels.fused_tbe import FusedTBE, TBESlot
+from graphshard import params
+from graphshard.sparse.fused_tbe import FusedTBE, TBESlot
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
 from graphshard.sparse.sequence import row_starts, sequence_lookup, width_groups
 
-_COLLECTIONS: "weakref.WeakValueDictionary[str, SparseCollection]" = weakref.WeakValueDictionary()
 _ids = itertools.count()
-
-
-def collection_for(key: str) -> "SparseCollection":
-    coll = _COLLECTIONS.get(key)
-    if coll is None:
-        raise KeyError(f"no sharded embedding collection {key!r} (its model was freed?)")
-    return coll
 
 
 def new_key(fqn: str) -> str:
@@ -103,7 +95,7 @@ class SparseCollection:
                     self.tbes[name] = NoTables(self.fused_params, layout.device)
                 continue
             self.tbes[name] = self._fused(name, shards, weights)
-        _COLLECTIONS[layout.key] = self
+        params.remember(layout.key, self)
 
     def _fused(self, name: str, shards: list[tuple[TableLayout, TableShard]], weights) -> FusedTBE:
         """One group's TBE holding ``shards``, with this rank's pieces of ``weights`` copied in. A

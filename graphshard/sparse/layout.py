@@ -135,7 +135,7 @@ class CollectionLayout:
     @property
     def kjt_ops(self):
         """The program's KJT ops: fbgemm's beside fbgemm's TBE, graphshard's torch ones beside the Triton TBE."""
-        from graphshard.sparse.kjt_ops import kjt_ops
+        from graphshard.ops.kjt import kjt_ops
 
         return kjt_ops(self.kernel)
 
@@ -155,9 +155,6 @@ class CollectionLayout:
     @property
     def total_dim(self) -> int:
         return sum(self.dims)
-
-    def table_of(self, feature: str) -> TableLayout:
-        return next(t for t in self.tables if feature in t.features)
 
     def check(self) -> None:
         seen: dict[str, str] = {}

@@ -17,11 +17,11 @@ import types
 import torch
 import torch.nn as nn
 
-from graphshard.kernels.fused_tbe import choose_kernel
+from graphshard.sparse.fused_tbe import choose_kernel
 from graphshard.plan import Plan, ShardEmbedding, fqn_match
 from graphshard.sparse.collection import SparseCollection, new_key
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.ops.sparse import ops as sparse_ops
 from graphshard.sparse.program import group_state
 
 log = logging.getLogger("graphshard.sparse")

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from graphshard.kernels.fused_tbe import FusedTBE
+from graphshard.sparse.fused_tbe import FusedTBE
 from graphshard.ops import ops
-from graphshard.sparse.kjt_ops import KJTOps
+from graphshard.ops.kjt import KJTOps
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.ops.sparse import ops as sparse_ops
 
 
 @dataclass(frozen=True)

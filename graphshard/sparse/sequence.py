@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from graphshard.kernels.fused_tbe import FusedTBE
+from graphshard.sparse.fused_tbe import FusedTBE
 from graphshard.ops import ops
 from graphshard.sparse.layout import CollectionLayout
 from graphshard.sparse.program import LocalPlan, Slot, permute_rows, read_kjt, send_ids, split_state

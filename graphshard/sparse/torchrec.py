@@ -18,10 +18,10 @@ import types
 import torch
 import torch.nn as nn
 
-from graphshard.kernels.fused_tbe import choose_kernel
+from graphshard.sparse.fused_tbe import choose_kernel
 from graphshard.sparse.collection import SparseCollection
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
-from graphshard.sparse.ops import ops as sparse_ops
+from graphshard.ops.sparse import ops as sparse_ops
 from graphshard.sparse.program import group_state
 
 _POOLING = {"SUM": "sum", "MEAN": "mean"}

@@ -2,8 +2,8 @@
 
 Switch one import and keep the training and checkpointing code::
 
-    from graphshard.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, MixedPrecision
-    from graphshard.fsdp.wrap import ModuleWrapPolicy
+    from graphshard.frontends.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, MixedPrecision
+    from graphshard.frontends.fsdp.wrap import ModuleWrapPolicy
 
 The configuration types are torch's own (``ShardingStrategy``, ``MixedPrecision``,
 ``StateDictType``, ...), so code that builds them from ``torch.distributed.fsdp`` works too.
@@ -25,8 +25,8 @@ from torch.distributed.fsdp import (
     StateDictType,
 )
 
-from graphshard.fsdp import wrap
-from graphshard.fsdp._wrapper import FullyShardedDataParallel
+from graphshard.frontends.fsdp import wrap
+from graphshard.frontends.fsdp._wrapper import FullyShardedDataParallel
 
 __all__ = [
     "FullyShardedDataParallel",

@@ -1,4 +1,5 @@
-"""Which embedding modules DMP shards, under which plan, with which fused optimizer.
+"""Which TorchRec embedding modules a model holds, under which plan, with which fused optimizer
+(read by ``DistributedModelParallel`` and by the planners).
 
 - Each sharded module is found once by identity, with every FQN it is reachable under (two
   towers holding one ``EmbeddingBagCollection``; an ``EmbeddingCollection`` likewise). The plan may name any of those FQNs; the

@@ -21,12 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .tbe_reference import TBELayout, TBEOptimizer
-from .triton_tbe import tbe_backward_update_, tbe_forward
-
-LAYOUT = ("weights_offsets", "row_offsets", "table_rows", "D_offsets", "feature_table_map")
-"""The ``TBELayout`` tensors the op takes, in order."""
-
+from graphshard.kernels.tbe_reference import TBELayout, TBEOptimizer
+from graphshard.kernels.triton_tbe import tbe_backward_update_, tbe_forward
 
 def _layout(tensors: Sequence[torch.Tensor], shapes: Sequence[int], tables: Sequence[int]) -> TBELayout:
     pairs = tuple((int(shapes[i]), int(shapes[i + 1])) for i in range(0, len(shapes), 2))

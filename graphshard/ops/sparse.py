@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from graphshard.kernels.tbe_reference import first_out_of_range
+from graphshard.params import resolve
+
 lib = torch.library.Library("graphshard", "FRAGMENT")
 lib.define("embedding_bags(Tensor values, Tensor lengths, Tensor? weights, Tensor[] state, str key, "
            "str[] keys, int total_dim) -> Tensor")
@@ -32,9 +35,7 @@ lib.define("check_ids(Tensor values, Tensor lengths, int[] limits, str names) ->
 
 
 def _embedding_bags_eager(values, lengths, weights, state, key, keys, total_dim):
-    from graphshard.sparse.collection import collection_for
-
-    return collection_for(key).run(values, lengths, weights, list(state), list(keys))
+    return resolve(key).run(values, lengths, weights, list(state), list(keys))
 
 
 def _embedding_bags_fake(values, lengths, weights, state, key, keys, total_dim):
@@ -59,9 +60,7 @@ torch.library.register_autograd("graphshard::embedding_bags", _embedding_bags_ba
 
 
 def _embedding_seqs_eager(values, lengths, state, key, keys, dim, features, need_indices):
-    from graphshard.sparse.collection import collection_for
-
-    return collection_for(key).run(values, lengths, None, list(state), list(keys))
+    return resolve(key).run(values, lengths, None, list(state), list(keys))
 
 
 def _embedding_seqs_fake(values, lengths, state, key, keys, dim, features, need_indices):
@@ -92,8 +91,6 @@ def _in_range(ids: torch.Tensor, limit: int) -> bool:
 
 
 def _check_ids_eager(values, lengths, limits, names):
-    from graphshard.kernels.fused_tbe import first_out_of_range
-
     # the common case, all ids in range, costs one min/max pass per feature (one in all where the
     # tables have the same rows); only a failed check locates the offending id
     same = len(set(limits)) == 1

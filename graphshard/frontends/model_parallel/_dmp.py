@@ -23,9 +23,10 @@ import torch.nn as nn
 
 from graphshard import _compat
 from graphshard.api import compile_config, compile_sharded
-from graphshard.model_parallel import _plan, _state
+from graphshard.frontends.model_parallel import _state
 from graphshard.planning.embedding_planner import EmbeddingShardingPlanner
 from graphshard.plan import FullyShard, Plan, Replicate
+from graphshard.sparse import torchrec_plan
 from graphshard.sparse.collection import new_key
 from graphshard.sparse.torchrec import collection_layout, install
 from graphshard.storage import shard, state_of
@@ -97,7 +98,7 @@ class DistributedModelParallel(nn.Module):
         self._compile_config = compile_config("DistributedModelParallel", **compile_options)
         from torchrec.distributed.embedding import EmbeddingCollectionSharder
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.types import ShardingEnv, ShardingPlan
+        from torchrec.distributed.types import ShardingEnv
 
         self._dense_spec = _dense_spec(data_parallel_wrapper)
         self._auto = None  # a graphshard Plan (auto_plan's): its rules lay the dense part out
@@ -115,7 +116,7 @@ class DistributedModelParallel(nn.Module):
         self._dmp_wrapped_module = module
         self._sharders = (list(sharders) if sharders is not None
                           else [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()])
-        found = _plan.find_modules(module)
+        found = torchrec_plan.find_modules(module)
         world, rank = self._env.world_size, self._env.rank
         self._plan_estimate = None
         if plan is None:  # TorchRec's default: its planner's collective plan; here graphshard's planner
@@ -136,21 +137,21 @@ class DistributedModelParallel(nn.Module):
         self._plan = plan
         group = self._env.process_group.group_name
         hosts = self._host_groups(plan, world)
-        self._sharded: list[_plan.Sharded] = []
+        self._sharded: list[torchrec_plan.Sharded] = []
         self._collections = []
         for mod, fqns in found.values():
-            mp = _plan.module_plan(fqns, plan)
+            mp = torchrec_plan.module_plan(fqns, plan)
             if mp is None:
                 log.warning("DistributedModelParallel: %s is not in the plan; it stays a dense, data-parallel module", fqns[0])
                 continue
             sharder = self._sharder_for(mod)
-            fused = _plan.fused_params_of(mod, fqns[0], sharder)
+            fused = torchrec_plan.fused_params_of(mod, fqns[0], sharder)
             layout = collection_layout(mod, tuple(fqns), mp, world=world, rank=rank, group=group,
                                        key=new_key(fqns[0]), hosts=hosts, device=self.device.type)
             if layout.kernel_note:
                 log.warning("DistributedModelParallel: %s", layout.kernel_note)
             self._collections.append(install(mod, layout, fused))
-            self._sharded.append(_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
+            self._sharded.append(torchrec_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
         module.to(self.device)  # the dense part (the sharded tables are already there, in their TBEs)
         self._sequence = any(c.layout.sequence for c in self._collections)
         self._optim = _state.FusedOptimizer(self._collections)

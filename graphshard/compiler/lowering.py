@@ -37,8 +37,9 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.fx as fx
 
-from graphshard import _compat, inductor_cpu
-from graphshard.explain import add_compute, collective_kind, collective_of_wait
+from graphshard import _compat
+from graphshard.compiler import inductor_cpu
+from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
+from graphshard.frontends.fsdp._common import clean_fqn, local_of_full
 from graphshard.sharding import FLAT_PARAM
 
 _CONFIGS = {
@@ -40,6 +41,11 @@ _CONFIGS = {
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
+
+
+def _instances(module: nn.Module) -> list:
+    """The ``FullyShardedDataParallel`` instances in ``module``'s tree, in pre-order."""
+    return [m for m in module.modules() if isinstance(m, StateDictMixin)]
 
 
 class StateDictMixin:
@@ -60,12 +66,10 @@ class StateDictMixin:
                     f"{what} is a {type(cfg).__name__}, but {state_dict_type.name} takes a {cls.__name__}; "
                     f"pass {cls.__name__}(...) or None"
                 )
-        from graphshard.fsdp._wrapper import FullyShardedDataParallel
-
-        instances = FullyShardedDataParallel.fsdp_modules(module)
+        instances = _instances(module)
         if not instances:
             raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
-        prev = FullyShardedDataParallel.get_state_dict_type(module)
+        prev = StateDictMixin.get_state_dict_type(module)
         settings = StateDictSettings(state_dict_type, state_dict_config or model_cls(),
                                      optim_state_dict_config or optim_cls())
         for inst in instances:
@@ -75,9 +79,7 @@ class StateDictMixin:
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """The state-dict settings of the FSDP instances under ``module`` (one for all of them)."""
-        from graphshard.fsdp._wrapper import FullyShardedDataParallel
-
-        roots = {id(m._root): m._root for m in FullyShardedDataParallel.fsdp_modules(module)}
+        roots = {id(m._root): m._root for m in _instances(module)}
         if not roots:
             raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
         settings = [r.__dict__.get("_sd_settings") or _default_settings() for r in roots.values()]
@@ -90,14 +92,12 @@ class StateDictMixin:
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
                         optim_state_dict_config=None):
         """Within the context, ``state_dict()`` / ``load_state_dict()`` use ``state_dict_type``."""
-        from graphshard.fsdp._wrapper import FullyShardedDataParallel
-
-        prev = FullyShardedDataParallel.set_state_dict_type(module, state_dict_type, state_dict_config,
+        prev = StateDictMixin.set_state_dict_type(module, state_dict_type, state_dict_config,
                                                             optim_state_dict_config)
         try:
             yield
         finally:
-            FullyShardedDataParallel.set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config,
+            StateDictMixin.set_state_dict_type(module, prev.state_dict_type, prev.state_dict_config,
                                                          prev.optim_state_dict_config)
 
     # ------------------------------------------------------------------ state_dict / load_state_dict
@@ -151,7 +151,6 @@ class StateDictMixin:
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if not self._is_root:
             raise NotImplementedError("graphshard.fsdp: call load_state_dict() on the root FullyShardedDataParallel")
-        from graphshard.fsdp._wrapper import local_of_full
 
         kind = self._settings().state_dict_type
         if kind == StateDictType.LOCAL_STATE_DICT:
@@ -188,8 +187,6 @@ class StateDictMixin:
     def _unmanaged_by_fqn(self) -> dict[str, torch.Tensor]:
         """Buffers and the parameters graphshard leaves alone (FSDP's ignored ones), by the
         user's FQNs: saved and loaded as the plain tensors they are."""
-        from graphshard.fsdp._wrapper import clean_fqn
-
         model = self._fsdp_wrapped_module
         out = {clean_fqn(k): p for k, p in nn.Module.named_parameters(model, remove_duplicate=False)
                if not isinstance(p, DTensor) and not k.endswith(FLAT_PARAM)}
@@ -199,8 +196,6 @@ class StateDictMixin:
     def _local_tensors(self) -> dict[str, torch.Tensor]:
         """LOCAL_STATE_DICT: torch's keys (``layers.0._flat_param``: wrappers left out) -> this
         rank's stored tensor (a flat parameter, an original parameter's local shard, a buffer)."""
-        from graphshard.fsdp._wrapper import clean_fqn
-
         out = {}
         for name, mod in nn.Module.named_modules(self):  # nn.Module.state_dict's order: per module, params then buffers
             pre = clean_fqn(name) + "." if clean_fqn(name) else ""

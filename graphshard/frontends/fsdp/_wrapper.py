@@ -25,32 +25,21 @@ from torch.distributed.fsdp import (
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
-    StateDictType,
 )
 from torch.distributed.fsdp import FullyShardedDataParallel as _TorchFSDP
 from torch.distributed.tensor import DTensor
 
 from graphshard import _compat
 from graphshard.api import compile_config, compile_sharded
+from graphshard.compiler.grad_sync import no_sync
 from graphshard.config import CompileConfig
-from graphshard.fsdp._optim_state import OptimStateMixin
-from graphshard.fsdp._state_dict import StateDictMixin
-from graphshard.fsdp.wrap import decide_units
-from graphshard.grad_sync import no_sync
-from graphshard.ops import local_chunk
+from graphshard.frontends.fsdp._common import WRAPPED, clean_fqn, local_of_full
+from graphshard.frontends.fsdp._optim_state import OptimStateMixin
+from graphshard.frontends.fsdp._state_dict import StateDictMixin
+from graphshard.frontends.fsdp.wrap import decide_units
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sharding import FLAT_PARAM, ShardedParam
 from graphshard.storage import in_forward, shard, state_of
-
-WRAPPED = "_fsdp_wrapped_module"
-"""The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
-_PREFIX = WRAPPED + "."
-
-
-def clean_fqn(fqn: str) -> str:
-    """``fqn`` without the wrapper's ``_fsdp_wrapped_module.`` components (the user's FQN)."""
-    return fqn.replace(_PREFIX, "").replace("." + WRAPPED, "").replace(WRAPPED, "")
-
 
 class _Summoned(threading.local):
     """Per-thread: parameter key -> the full parameter a ``summon_full_params`` exposes."""
@@ -146,9 +135,6 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                                limit_all_gathers=limit_all_gathers)
         self._unit_fqn = ""
         self.__dict__["_root"] = self  # not a submodule (that would be a cycle in the module tree)
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config = None
-        self._optim_state_dict_config = None
         children = _parents_of(module)
         for fqn, mod, _ in units:
             if fqn == "":
@@ -361,17 +347,9 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 f"clip_grad_norm_ should only be called on the root FSDP instance; it was called on the unit "
                 f"{self._unit_fqn!r}: call it on the model's outermost FullyShardedDataParallel"
             )
-        from graphshard.fsdp._norm import clip_grad_norm
+        from graphshard.frontends.fsdp._norm import clip_grad_norm
 
         return clip_grad_norm(self, max_norm, norm_type)
-
-
-def local_of_full(full: torch.Tensor, info: ShardedParam) -> torch.Tensor:
-    """This rank's shard of a full (logical) parameter, as graphshard stores it."""
-    assert not info.model_parallel, "graphshard.fsdp shards over data-parallel axes only"
-    if info.shard is None:
-        return full
-    return local_chunk(full, 0, info.shard.world, info.shard.rank)
 
 
 class _Config:

@@ -5,10 +5,10 @@
 optimizer state per row or per weight) and calls one of two kernels, each with the optimizer
 fused into its backward (no dense gradient of a table is ever formed):
 
-- ``"fbgemm"``: fbgemm's CPU kernels (``kernels/fbgemm_tbe.py``). The buffers are built by
+- ``"fbgemm"``: fbgemm's CPU kernels (``graphshard/ops/tbe_fbgemm.py``). The buffers are built by
   fbgemm's own module, so fbgemm's defaults and checks apply. Tables on the CPU only.
 - ``"triton"``: graphshard's Triton TBE (``kernels/triton_tbe.py`` through the graph op of
-  ``kernels/triton_tbe_op.py``), on a CUDA device, or on the CPU under Triton's interpreter.
+  ``graphshard/ops/tbe_triton.py``), on a CUDA device, or on the CPU under Triton's interpreter.
   The buffers are built here, on the tables' device, from ``TBELayout`` and fbgemm's optimizer
   defaults (``TBEOptimizer``): this path never imports fbgemm.
 
@@ -24,7 +24,8 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
-from .tbe_reference import OPTIMIZERS, TBELayout, TBEOptimizer
+from graphshard.kernels.tbe_reference import LAYOUT, OPTIMIZERS, TBELayout, TBEOptimizer
+from graphshard.ops import ops
 
 KERNELS = ("fbgemm", "triton")
 
@@ -43,19 +44,6 @@ def optimizer_name(optim) -> str:
         f"fused optimizer {optim} is not supported by graphshard's TBE; use EXACT_SGD, EXACT_ADAGRAD "
         "or EXACT_ROWWISE_ADAGRAD (fused_params={'optimizer': ...})"
     )
-
-
-def first_out_of_range(ids: torch.Tensor, counts: torch.Tensor, limits: torch.Tensor) -> tuple[int, int] | None:
-    """(position, row) of the first id outside ``[0, limit)`` of its row, or None. The ids are
-    grouped by row, ``counts[r]`` of them in row ``r``; a negative limit checks only the sign."""
-    if ids.numel() == 0:
-        return None
-    limit = torch.repeat_interleave(limits, counts, output_size=ids.numel())
-    bad = (ids < 0) | ((ids >= limit) & (limit >= 0))
-    if not bool(bad.any()):
-        return None
-    i = int(bad.nonzero()[0, 0])
-    return i, int(torch.searchsorted(counts.cumsum(0), i, right=True))
 
 
 def fbgemm_unavailable(device_type: str) -> str | None:
@@ -136,6 +124,71 @@ def _triton_state(shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], f
     }
 
 
+def fbgemm_types():
+    """fbgemm's TBE types (importing ``fbgemm_gpu`` registers ``torch.ops.fbgemm``); a clear
+    ImportError where it is not installed."""
+    try:
+        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "graphshard's sharded embeddings need fbgemm_gpu; install the torchrec extra "
+            "(`bash scripts/setup.sh` does: fbgemm-gpu-cpu==1.8.0 with torch 2.13)"
+        ) from e
+    return EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+
+
+_FBGEMM_KWARGS = ("optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode", "max_norm",
+                  "stochastic_rounding")
+"""The fused-params keys graphshard passes to fbgemm (the optimizer's); others (caching,
+prefetch, output dtype) do not apply to the CPU kernels and are ignored by the caller with a
+logged note."""
+
+
+def _fbgemm_state(shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], fused_params: dict) -> dict:
+    """fbgemm's module for tables ``shapes`` looked up by ``slots``: its optimizer (name and
+    ``(eps, weight_decay, weight_decay_mode, max_norm)``), the tensors its CPU kernels read (host
+    memory), and where each table and table state starts in the flat buffers."""
+    EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = fbgemm_types()
+    tables = [s.table for s in slots]
+    if tables != sorted(tables):
+        # fbgemm's weighted row-wise Adagrad on the CPU updates nothing when one table's features
+        # are not next to each other ("num of rows processed by adagrad: 0")
+        raise ValueError(f"FusedTBE slots must list each table's features together, in table order; got tables {tables}")
+    params = {k: v for k, v in fused_params.items() if k in _FBGEMM_KWARGS}
+    if isinstance(params.get("optimizer"), str):  # graphshard's name ("rowwise_adagrad") -> fbgemm's member
+        params["optimizer"] = getattr(EmbOptimType, f"EXACT_{optimizer_name(params['optimizer']).upper()}")
+    ref = TBE([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in shapes],
+              feature_table_map=tables, pooling_mode=PoolingMode.SUM, **params)
+    optimizer = optimizer_name(ref.optimizer)
+    args = ref.optimizer_args
+    return {
+        "optimizer": optimizer,
+        "optim_args": (float(args.eps), float(args.weight_decay), float(args.weight_decay_mode), float(args.max_norm)),
+        "total_D": int(ref.total_D), "max_D": int(ref.max_D), "total_hash_size_bits": int(ref.total_hash_size_bits),
+        "weights": ref.weights_host.detach().clone(),
+        "momentum": ref.momentum1_host.detach().clone() if optimizer != "sgd" else torch.empty(0),
+        "lr": ref.learning_rate_tensor.detach().clone().float(),
+        "weights_offsets": ref.weights_offsets.clone(), "D_offsets": ref.D_offsets.clone(),
+        "hash_size_cumsum": ref.hash_size_cumsum.clone(),
+        "momentum_offsets": (ref.momentum1_offsets.clone() if optimizer != "sgd"
+                             else torch.zeros(len(shapes), dtype=torch.int64)),
+        # fbgemm's offsets are per feature; where each table starts, read from its own views
+        "table_offsets": _starts(ref.weights_host, ref.split_embedding_weights()),
+        "state_offsets": (_starts(ref.momentum1_host, [s[0] for s in ref.split_optimizer_states()])
+                          if optimizer != "sgd" else []),
+    }
+
+
+def _starts(flat: torch.Tensor, views) -> list[int]:
+    return [(v.data_ptr() - flat.data_ptr()) // flat.element_size() for v in views]
+
+
 class FusedTBE(nn.Module):
     """One rank's table shards (``shapes``: rows, dim each) with a fused optimizer, in fbgemm's layout.
 
@@ -166,18 +219,16 @@ class FusedTBE(nn.Module):
             if device.type != "cpu":
                 raise ValueError(f"FusedTBE kernel='fbgemm' runs fbgemm's CPU kernels; tables on {device} take "
                                  "kernel='triton' (compute_kernel='fused_triton')")
-            from .fbgemm_tbe import fbgemm_state
-
-            st = fbgemm_state(self.shapes, self.slots, fused_params)
+            st = _fbgemm_state(self.shapes, self.slots, fused_params)
             self.max_D, self.total_hash_size_bits = st["max_D"], st["total_hash_size_bits"]
             for name in ("weights_offsets", "D_offsets", "hash_size_cumsum", "momentum_offsets"):
                 self.register_buffer(name, st[name], persistent=False)
             self.register_buffer("rows", torch.tensor([shapes[s.table][0] for s in slots], dtype=torch.int64),
                                  persistent=False)
         else:
-            st = _triton_state(self.shapes, self.slots, fused_params, device)
-            from .triton_tbe_op import LAYOUT
+            import graphshard.ops.tbe_triton  # noqa: F401  (registers graphshard::triton_tbe_lookup)
 
+            st = _triton_state(self.shapes, self.slots, fused_params, device)
             for name in LAYOUT:
                 self.register_buffer(f"triton_{name}", getattr(st["layout"], name), persistent=False)
         self.optimizer, self.optim_args, self.total_D = st["optimizer"], st["optim_args"], st["total_D"]
@@ -220,8 +271,6 @@ class FusedTBE(nn.Module):
     def constants(self) -> dict[str, torch.Tensor]:
         """The layout tensors the kernel reads that never change (a traced program holds them as constants)."""
         if self.kernel == "triton":
-            from .triton_tbe_op import LAYOUT
-
             return {f"triton_{name}": getattr(self, f"triton_{name}") for name in LAYOUT}
         return {name: getattr(self, name) for name in self.CONSTANTS}
 
@@ -231,14 +280,12 @@ class FusedTBE(nn.Module):
         """``lookup`` with the state tensors (and, when tracing, the layout constants) given."""
         c = constants or self.constants()
         if self.kernel == "triton":
-            from .triton_tbe_op import LAYOUT
-
-            return torch.ops.graphshard.triton_tbe_lookup(
+            return ops.triton_tbe_lookup(
                 token, weights, momentum, lr, *(c[f"triton_{name}"] for name in LAYOUT), indices, offsets,
                 per_sample_weights, [v for shape in self.shapes for v in shape], [s.table for s in self.slots],
                 self.total_D, self.optimizer, list(self.optim_args), self.bounds_check, self.grad_scale,
             )
-        return torch.ops.graphshard.tbe_lookup(
+        return ops.tbe_lookup(
             token, weights, momentum, lr, c["weights_offsets"], c["D_offsets"], c["hash_size_cumsum"],
             c["momentum_offsets"], c["rows"], indices, offsets, per_sample_weights,
             self.total_D, self.max_D, self.total_hash_size_bits, self.pooling, self.optimizer,

@@ -27,7 +27,7 @@ from graphshard import _compat
 from graphshard._compat import c10d
 from graphshard.params import AxisGroup, chunk_size, resolve
 from graphshard.plan import StridedShard
-from graphshard.rng import decompositions as _rng_decompositions
+from graphshard.ops.rng import decompositions as _rng_decompositions
 from graphshard.sharding import ShardedParam
 
 lib = torch.library.Library("graphshard", "DEF")
@@ -522,7 +522,7 @@ for _name, _bw in [
 
 def decompositions() -> dict:
     """aot_autograd decompositions: graphshard's collectives -> functional collectives + waits;
-    ``random_bits`` -> its ATen ops (``graphshard/rng.py``)."""
+    ``random_bits`` -> its ATen ops (``graphshard/ops/rng.py``)."""
     return {
         **_rng_decompositions(),
         ops.unshard.default: _unshard_decomp,

@@ -14,10 +14,8 @@ stateless kernels (``split_embedding_codegen_forward_cpu`` and
 tracing needs. Those kernels take the per-sample weights as a defined tensor (an unweighted
 lookup cannot be asked for from Python), so unweighted lookups pass ones.
 
-``fbgemm_state`` builds one rank's tables for ``FusedTBE`` (``kernels/fused_tbe.py``) with
-fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` from the same arguments (so the optimizer's
-defaults and settings are fbgemm's) and keeps only the tensors the kernels read. These are
-fbgemm's CPU kernels: ``FusedTBE`` uses them for tables on the CPU only.
+The tables (``FusedTBE`` in ``graphshard/sparse/fused_tbe.py``) are built by fbgemm's own module, which also
+imports ``fbgemm_gpu`` and so registers ``torch.ops.fbgemm``; importing this module needs no fbgemm.
 
 The kernel always pools by sum: fbgemm's CPU backward ignores mean pooling when it is given
 per-sample weights (measured: an SGD step 0.06-0.2 away from the torch reference), and the
@@ -31,28 +29,9 @@ from typing import Sequence
 
 import torch
 
-from .fused_tbe import TBESlot, first_out_of_range, optimizer_name
+from graphshard.kernels.tbe_reference import first_out_of_range
 
 
-def _fbgemm():
-    try:
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-            ComputeDevice,
-            SplitTableBatchedEmbeddingBagsCodegen,
-        )
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "graphshard's sharded embeddings need fbgemm_gpu; install the torchrec extra "
-            "(`bash scripts/setup.sh` does: fbgemm-gpu-cpu==1.8.0 with torch 2.13)"
-        ) from e
-    return EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
-
-
-# --------------------------------------------------------------------------------------------
-# The ops.
 # --------------------------------------------------------------------------------------------
 def _check_ids(indices, offsets, rows, names, row_offsets):
     """Raises ValueError naming the table and feature of the first id outside its table (or shard)."""
@@ -149,54 +128,3 @@ def _backward(ctx, grad):
 
 
 tbe_lookup.register_autograd(_backward, setup_context=_setup)
-
-
-
-
-# --------------------------------------------------------------------------------------------
-# One rank's tables, built by fbgemm's module.
-# --------------------------------------------------------------------------------------------
-_FBGEMM_KWARGS = ("optimizer", "learning_rate", "eps", "weight_decay", "weight_decay_mode", "max_norm",
-                  "stochastic_rounding")
-"""The fused-params keys graphshard passes to fbgemm (the optimizer's); others (caching,
-prefetch, output dtype) do not apply to the CPU kernels and are ignored by the caller with a
-logged note."""
-
-
-def fbgemm_state(shapes: Sequence[tuple[int, int]], slots: Sequence[TBESlot], fused_params: dict) -> dict:
-    """fbgemm's module for tables ``shapes`` looked up by ``slots``: its optimizer (name and
-    ``(eps, weight_decay, weight_decay_mode, max_norm)``), the tensors its CPU kernels read (host
-    memory), and where each table and table state starts in the flat buffers."""
-    EmbOptimType, EmbeddingLocation, PoolingMode, ComputeDevice, TBE = _fbgemm()
-    tables = [s.table for s in slots]
-    if tables != sorted(tables):
-        # fbgemm's weighted row-wise Adagrad on the CPU updates nothing when one table's features
-        # are not next to each other ("num of rows processed by adagrad: 0")
-        raise ValueError(f"FusedTBE slots must list each table's features together, in table order; got tables {tables}")
-    params = {k: v for k, v in fused_params.items() if k in _FBGEMM_KWARGS}
-    if isinstance(params.get("optimizer"), str):  # graphshard's name ("rowwise_adagrad") -> fbgemm's member
-        params["optimizer"] = getattr(EmbOptimType, f"EXACT_{optimizer_name(params['optimizer']).upper()}")
-    ref = TBE([(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for rows, dim in shapes],
-              feature_table_map=tables, pooling_mode=PoolingMode.SUM, **params)
-    optimizer = optimizer_name(ref.optimizer)
-    args = ref.optimizer_args
-    return {
-        "optimizer": optimizer,
-        "optim_args": (float(args.eps), float(args.weight_decay), float(args.weight_decay_mode), float(args.max_norm)),
-        "total_D": int(ref.total_D), "max_D": int(ref.max_D), "total_hash_size_bits": int(ref.total_hash_size_bits),
-        "weights": ref.weights_host.detach().clone(),
-        "momentum": ref.momentum1_host.detach().clone() if optimizer != "sgd" else torch.empty(0),
-        "lr": ref.learning_rate_tensor.detach().clone().float(),
-        "weights_offsets": ref.weights_offsets.clone(), "D_offsets": ref.D_offsets.clone(),
-        "hash_size_cumsum": ref.hash_size_cumsum.clone(),
-        "momentum_offsets": (ref.momentum1_offsets.clone() if optimizer != "sgd"
-                             else torch.zeros(len(shapes), dtype=torch.int64)),
-        # fbgemm's offsets are per feature; where each table starts, read from its own views
-        "table_offsets": _starts(ref.weights_host, ref.split_embedding_weights()),
-        "state_offsets": (_starts(ref.momentum1_host, [s[0] for s in ref.split_optimizer_states()])
-                          if optimizer != "sgd" else []),
-    }
-
-
-def _starts(flat: torch.Tensor, views) -> list[int]:
-    return [(v.data_ptr() - flat.data_ptr()) // flat.element_size() for v in views]

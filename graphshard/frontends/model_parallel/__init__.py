@@ -2,7 +2,7 @@
 
 Switch one import and keep the TorchRec model, plan and training loop::
 
-    from graphshard.model_parallel import DistributedModelParallel as DMP
+    from graphshard.frontends.model_parallel import DistributedModelParallel as DMP
     model = DMP(dlrm, env=ShardingEnv.from_process_group(pg), device=torch.device("cpu"), plan=plan,
                 sharders=[EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
                                                                       "learning_rate": 0.1})])
@@ -11,7 +11,7 @@ Plans, sharders, ``ShardingEnv`` and ``KeyedJaggedTensor`` are TorchRec's own ty
 (TorchRec is an optional dependency: ``pip install graphshard[torchrec]``).
 """
 
-from graphshard.model_parallel._dmp import DistributedModelParallel, FullyShardDense
+from graphshard.frontends.model_parallel._dmp import DistributedModelParallel, FullyShardDense
 from graphshard.planning.embedding_planner import EmbeddingShardingPlanner
 
 __all__ = ["DistributedModelParallel", "EmbeddingShardingPlanner", "FullyShardDense"]

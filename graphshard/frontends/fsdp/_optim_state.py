@@ -26,6 +26,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import OptimStateKeyType, StateDictType
 from torch.distributed.tensor import DTensor
 
+from graphshard.frontends.fsdp._common import clean_fqn, local_of_full
+from graphshard.frontends.fsdp._state_dict import StateDictMixin
 from graphshard.sharding import FlatSlot, ShardedParam
 
 
@@ -42,11 +44,9 @@ class _Entry:
 
 def _entries(model: nn.Module) -> dict[int, _Entry]:
     """``id(parameter)`` -> its entry, for every parameter of ``model``."""
-    from graphshard.fsdp._wrapper import FullyShardedDataParallel, clean_fqn
-
     out: dict[int, _Entry] = {}
     for name, root in model.named_modules():
-        if not (isinstance(root, FullyShardedDataParallel) and root._is_root):
+        if not (isinstance(root, OptimStateMixin) and root._is_root):
             continue
         pre = clean_fqn(name) + "." if clean_fqn(name) else ""
         state, inner = root._graphshard, root._fsdp_wrapped_module
@@ -277,8 +277,6 @@ def _flatten_tensor(e: _Entry, values: list, name: str) -> torch.Tensor:
 def _local_of(v: torch.Tensor, info: ShardedParam, name: str, fqn: str) -> torch.Tensor:
     """This rank's part, laid out as graphshard stores ``info``'s parameter, of the state ``v``
     (a full tensor or a DTensor of any layout)."""
-    from graphshard.fsdp._wrapper import local_of_full
-
     if isinstance(v, DTensor):
         if v.device_mesh == info.mesh and tuple(v.placements) == info.placements \
                 and tuple(v.shape) == tuple(info.logical_shape):
@@ -343,9 +341,7 @@ class OptimStateMixin:
                          group=None) -> dict[str, Any]:
         """``optim``'s state keyed by the user's FQNs, as the model's state-dict type says: full
         tensors (FULL_STATE_DICT; ``rank0_only``: ``{}`` on the other ranks) or DTensors."""
-        from graphshard.fsdp._wrapper import FullyShardedDataParallel as FSDP
-
-        settings = FSDP.get_state_dict_type(model)
+        settings = StateDictMixin.get_state_dict_type(model)
         cfg = settings.optim_state_dict_config
         full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
         osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
@@ -359,9 +355,7 @@ class OptimStateMixin:
                                  group=None) -> dict[str, Any]:
         """``optim_state_dict`` (from `optim_state_dict`, torch's FSDP1 or an unwrapped model, keyed
         by FQN) as ``optim.load_state_dict`` takes it; loaded too with ``load_directly``."""
-        from graphshard.fsdp._wrapper import FullyShardedDataParallel as FSDP
-
-        settings = FSDP.get_state_dict_type(model)
+        settings = StateDictMixin.get_state_dict_type(model)
         full = settings.state_dict_type == StateDictType.FULL_STATE_DICT
         rank0_only = full and getattr(settings.optim_state_dict_config, "rank0_only", False)
         result = flatten_optim_state(model, optim, optim_state_dict, rank0_only=rank0_only, group=group,

@@ -32,15 +32,18 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
-from graphshard import _compat, grad_sync, inductor_cpu
+from graphshard import _compat
+from graphshard.compiler import grad_sync, inductor_cpu
+from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
+from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
-from graphshard.explain import GraphReport, add_compute, collective_kind
-from graphshard.lowering import lower_regions, plan_regions, whole_graph_reason
-from graphshard.ops import compiling, decompositions, ops
+from graphshard.ops import ops
+from graphshard.ops.dense import compiling, decompositions
+from graphshard.ops.rng import KeyStream
+from graphshard.ops.sparse import lookup_args
+from graphshard.params import resolve
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
-from graphshard.rng import KeyStream
 from graphshard.sharding import ShardedModel, model_for_key
-from graphshard.sparse.ops import lookup_args
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -229,9 +232,7 @@ def _sparse_collections(gm: fx.GraphModule, models: tuple[ShardedModel, ...], by
                          "ShardedModel does not hold: shard the embedding modules with the model (a ShardEmbedding "
                          "spec in its Plan, or DistributedModelParallel), not separately")
     if missing:
-        from graphshard.sparse.collection import collection_for
-
-        owned.update({k: collection_for(k) for k in missing})
+        owned.update({k: resolve(k) for k in missing})
     return {k: owned[k] for k in keys}
 
 
