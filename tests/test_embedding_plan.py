@@ -42,6 +42,7 @@ def test_matches_single_process(results, case):
     assert r["loss"] <= TOL, r
     bad = {k: v for k, v in r["params"].items() if not v <= TOL}  # NaN is bad too
     assert not bad and set(r["params"]) == set(r["ref_keys"]), r["params"]
+    assert r["copies_spread"] == 0.0, r["copies_spread"]  # a table held by several groups: the same copy
     rw = r["chosen"]["emb_rw"]  # the auto plan's choice, the hand plans' row-wise
     assert f"{rw} emb_rw@0,1" in r["explain"]
     fallbacks = {l.strip() for l in r["explain"].splitlines() if "fallbacks:" in l}

@@ -58,7 +58,7 @@ class KernelBatchTest(TestCase):
         self.x = torch.randn(16, 40)
 
     def assert_matches(self, got, fn):
-        for g, want in zip(got, fn(self.x)):
+        for g, want in zip(got, fn(self.x), strict=True):
             torch.testing.assert_close(g, want)
 
     def test_one_library_per_module(self):

@@ -126,7 +126,7 @@ def test_same_as_fbgemm():
     for sequence in (False, True):
         mine = TORCH.bucketize(lengths.reshape(-1), values, blocks, 4, weights, sequence)
         theirs = fb.bucketize(lengths.reshape(-1), values, blocks, 4, weights, sequence)
-        for a, b in zip(mine, theirs):
+        for a, b in zip(mine, theirs, strict=True):
             assert (a is None) == (b is None)
             if a is not None:
                 torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)

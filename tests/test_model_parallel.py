@@ -85,7 +85,7 @@ def test_torchrec_same_program(results, case):
         assert max(r["param_tr_ref"].values()) > 1e-2, r["param_tr_ref"]  # TorchRec's known defect, still there
         return
     assert r["loss_tr_ref"] <= TOL and max(r["param_tr_ref"].values()) <= TOL, r
-    assert max(r["param_gs_tr"].values()) <= TOL, r["param_gs_tr"]
+    assert max(r["param_gs_tr"].values()) <= TOL and r["loss_gs_tr"] <= TOL, (r["param_gs_tr"], r["loss_gs_tr"])
 
 
 def test_compiled_once_for_dynamic_ids(results):

@@ -105,14 +105,14 @@ def test_flat_params_replace_a_units_parameters_by_one_flat_shard():
     1-D ``_flat_param`` per unit holding this rank's shards, each padded to its chunk; every
     original parameter is still an attribute: a DTensor viewing the flat parameter."""
     model = tiny_transformer()
+    logical = [p.shape for p in model.layers[0].parameters()]
     graphshard.shard(model, fsdp_plan(flat_params=True))
     flat = dict(model.named_parameters())
     assert list(flat) == ["_flat_param", "layers.0._flat_param"]
     layer = model.layers[0]
     infos = [model._graphshard.param_for_fqn(f"layers.0.{n}") for n in ("attn_norm.weight", "attn.wq.weight", "ffn.w1.weight")]
     assert flat["layers.0._flat_param"].dim() == 1
-    logical = [i.logical_shape for i in model._graphshard.params.values() if i.layout.unit == "layers.0"]
-    # each parameter's rows padded to 4 equal chunks, by hand from the logical shapes
+    # each parameter's rows padded to 4 equal chunks, by hand from the unsharded shapes
     assert flat["layers.0._flat_param"].numel() == sum(-(-s[0] // 4) * math.prod(s[1:]) for s in logical)
     wq = layer.attn.wq.weight
     assert isinstance(wq, DTensor) and wq.placements == (Shard(0),) and wq.shape == infos[1].logical_shape

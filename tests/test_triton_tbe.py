@@ -107,8 +107,11 @@ def test_forward_long_bags_and_wide_rows():
     layout = _layout(shapes=[(8, 300), (12, 4)], feature_tables=[0, 1])
     weights = _weights(layout)
     ids, offsets, psw = _batch(torch.Generator().manual_seed(2), layout, weighted=True, max_len=70)
+    tables = [layout.table(weights, t).cpu() for t in range(len(layout.table_shapes))]
     for pooling in ("sum", "mean"):
         out = triton_tbe.tbe_forward(weights, layout, ids, offsets, psw, pooling=pooling)
+        torch.testing.assert_close(out.cpu(), _plain_torch_forward(layout, tables, ids, offsets, psw, pooling),
+                                   rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out, reference_forward(weights, layout, ids, offsets, psw, pooling),
                                    rtol=1e-5, atol=1e-5)
 
@@ -166,21 +169,35 @@ def test_fused_update_matches_fbgemm_and_reference(kind, weighted, pooling):
     assert not torch.equal(weights, _weights(layout))
 
 
-def _plain_torch_step(layout, weights, ids, offsets, psw, grad, pooling, optimizer):
-    """One step in plain torch, independent of graphshard's reference and of fbgemm: each feature's
-    ``F.embedding_bag`` over its table, autograd for the dense gradient, then the optimizer's update
-    (SGD by hand, torch.optim.Adagrad, row-wise Adagrad by hand: its state is the mean of g^2 per row)."""
+def _plain_torch_forward(layout, tables, ids, offsets, psw, pooling):
+    """Each feature's ``F.embedding_bag`` over its table, side by side (plain torch). Weighted mean
+    pooling, which ``embedding_bag`` does not take, is the weighted sum over the bag's length (fbgemm's
+    definition, checked against fbgemm's forward in ``test_forward_matches_fbgemm_and_reference``)."""
     import torch.nn.functional as F
 
-    tables = [torch.nn.Parameter(layout.table(weights, t).detach().cpu().clone().float())
-              for t in range(len(layout.table_shapes))]
     ids, offsets = ids.cpu().long(), offsets.cpu().long()
     outs = []
     for f, t in enumerate(layout.feature_tables):
         lo, hi = int(offsets[f * BATCH]), int(offsets[(f + 1) * BATCH])
-        outs.append(F.embedding_bag(ids[lo:hi], tables[t], offsets[f * BATCH:(f + 1) * BATCH] - lo, mode=pooling,
-                                    per_sample_weights=psw.cpu()[lo:hi] if psw is not None else None))
-    (torch.cat(outs, 1) * grad.cpu()).sum().backward()
+        local = offsets[f * BATCH:(f + 1) * BATCH] - lo
+        weights = psw.cpu()[lo:hi] if psw is not None else None
+        if weights is not None and pooling == "mean":
+            lengths = (offsets[f * BATCH + 1:(f + 1) * BATCH + 1] - offsets[f * BATCH:(f + 1) * BATCH]).clamp(min=1)
+            out = F.embedding_bag(ids[lo:hi], tables[t], local, mode="sum", per_sample_weights=weights)
+            outs.append(out / lengths.unsqueeze(1).to(out.dtype))
+        else:
+            outs.append(F.embedding_bag(ids[lo:hi], tables[t], local, mode=pooling, per_sample_weights=weights))
+    return torch.cat(outs, 1)
+
+
+def _plain_torch_step(layout, weights, ids, offsets, psw, grad, pooling, optimizer):
+    """One step in plain torch, independent of graphshard's reference and of fbgemm: the forward of
+    ``_plain_torch_forward``, autograd for the dense gradient, then the optimizer's update (SGD by
+    hand, torch.optim.Adagrad, row-wise Adagrad by hand: its state is the mean of g^2 per row), in fp32."""
+    tables = [torch.nn.Parameter(layout.table(weights, t).detach().cpu().clone().float())
+              for t in range(len(layout.table_shapes))]
+    psw = psw.float() if psw is not None else None
+    (_plain_torch_forward(layout, tables, ids, offsets, psw, pooling) * grad.cpu()).sum().backward()
     lr, eps = optimizer.learning_rate, optimizer.eps
     if optimizer.kind == "adagrad":
         opt = torch.optim.Adagrad(tables, lr=lr, eps=eps)
@@ -199,7 +216,9 @@ def _plain_torch_step(layout, weights, ids, offsets, psw, grad, pooling, optimiz
     return new, states
 
 
-@_EVERY_OPTIMIZER_AND_POOLING
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("weighted,pooling", [(False, "sum"), (True, "sum"), (False, "mean"), (True, "mean")],
+                         ids=["sum", "weighted_sum", "mean", "weighted_mean"])
 def test_one_step_matches_plain_torch_autograd(kind, weighted, pooling):
     layout = _layout()
     optimizer = TBEOptimizer(kind=kind, learning_rate=0.1, eps=1e-4)
@@ -249,6 +268,17 @@ def test_low_precision_weights(kind, dtype, tol):
     weights, state, ref_weights, ref_state = _train(layout, optimizer, weighted=True, pooling="sum", dtype=dtype)
     assert weights.dtype == dtype
     torch.testing.assert_close(weights, ref_weights, rtol=tol, atol=tol)
+    # one step against plain torch in fp32: the kernel rounds the fp32 update once
+    gen = torch.Generator().manual_seed(6)
+    start, step_state = _weights(layout, dtype), layout.new_state(optimizer)
+    ids, offsets, psw = _batch(gen, layout, weighted=True)
+    grad = torch.randn(BATCH, layout.total_D, generator=gen).to(DEVICE)
+    want, _ = _plain_torch_step(layout, start, ids, offsets, psw, grad, "sum", optimizer)
+    stepped = start.clone()
+    triton_tbe.tbe_backward_update_(grad, stepped, step_state, layout, ids, offsets, psw, pooling="sum",
+                                    optimizer=optimizer)
+    for t in range(len(layout.table_shapes)):
+        torch.testing.assert_close(layout.table(stepped, t).cpu().float(), want[t], rtol=tol, atol=tol)
     # the state never reads the low-precision weights (no weight decay): fp32 agreement
     torch.testing.assert_close(state, ref_state, rtol=1e-6, atol=1e-6)
     assert not torch.equal(weights, _weights(layout, dtype))
@@ -272,6 +302,11 @@ def test_hot_row_and_determinism():
     reference_update_(grad, ref_weights, ref_state, layout, ids, offsets, psw, optimizer=optimizer)
     torch.testing.assert_close(results[0][0], ref_weights, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[0][1], ref_state, rtol=1e-6, atol=1e-6)
+    want_w, want_state = _plain_torch_step(layout, _weights(layout), ids, offsets, psw, grad, "sum", optimizer)
+    for t in range(len(layout.table_shapes)):
+        torch.testing.assert_close(layout.table(results[0][0], t).cpu(), want_w[t], rtol=1e-5, atol=1e-6)
+        got = layout.table_state(results[0][1], optimizer, t).cpu()
+        torch.testing.assert_close(got.reshape(want_state[t].shape), want_state[t], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- errors

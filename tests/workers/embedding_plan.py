@@ -28,19 +28,36 @@ import torch.nn as nn
 if any("nofbgemm" in case for case in sys.argv[1:]):
     sys.modules["fbgemm_gpu"] = None  # `import fbgemm_gpu` raises ImportError from here on
 
-from _compare import seq_err, tensor_err  # noqa: E402
+from _compare import seq_err, tensor_err, worst  # noqa: E402
 from _runner import run_cases  # noqa: E402
 from dmp import _full as _full_1d  # noqa: E402  # a state-dict entry as the full tensor on every rank (1-D meshes)
 
 
 def _full(v, copies: int = 1):
-    """``copies``: how many groups along the embedding axis hold the same table (the tp size)."""
+    """``copies``: how many groups along the embedding axis hold the same table (the tp size).
+    Each copy's pieces are summed with the others' (``_full_1d`` reduces over the whole world), so
+    the result is their mean; ``_copies_spread`` checks that the copies are equal."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(v, DTensor) and v.device_mesh.ndim > 1:  # the dense parameters on the 2-D mesh
         return v.full_tensor()
     full = _full_1d(v)
     return full / copies if isinstance(v, DTensor) else full
+
+
+def _copies_spread(v) -> float:
+    """How far apart the copies of a table held by several groups are: every rank's local piece is
+    compared with the pieces of the ranks at the same coordinate of their own group (0.0: equal)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(v, DTensor) or v.device_mesh.ndim > 1:
+        return 0.0
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, (tuple(v.device_mesh.get_coordinate() or ()), v.to_local().detach()))
+    by_coord: dict = {}
+    for coord, piece in pieces:
+        by_coord.setdefault(coord, []).append(piece)
+    return worst(tensor_err(p, same[0]) for same in by_coord.values() for p in same)
 
 STEPS, BATCH, LR, EPS = 4, 6, 0.05, 1e-8
 SHARDED = {"emb_rw": "row_wise", "emb_tw": "table_wise", "emb_cw": "column_wise", "emb_dp": "data_parallel"}
@@ -156,11 +173,12 @@ def run(case: str) -> dict:
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     state = {k: _full(v, world // dp_world) for k, v in model.state_dict().items()}
+    spread = worst([_copies_spread(v) for v in model.state_dict().values()])  # every rank runs every gather
     chosen = {k: v.sharding_type for k, v in plan.rules.items() if isinstance(v, ShardEmbedding)}
     ref_state, ref_losses = reference(base, optimizer, dp_world, chosen)
     return {"case": case, "keys": sorted(state), "ref_keys": sorted(ref_state), "chosen": chosen,
             "notes": list(plan.notes),
-            "loss": seq_err(losses, ref_losses),
+            "loss": seq_err(losses, ref_losses), "copies_spread": spread,
             "params": {k: tensor_err(state[k], ref_state[k]) for k in ref_state if k in state},
             "explain": graphshard.explain(model) if rank == 0 else "",
             "fbgemm_loaded": sys.modules.get("fbgemm_gpu") is not None or hasattr(torch.ops.fbgemm, "permute_2D_sparse_data")}

@@ -159,7 +159,7 @@ def load(impl: str | None, model, opt, sd: dict, osd: dict, kind=FULL, rank0_onl
     sd, osd = clone(sd), clone(osd)
     if impl is None:
         model.load_state_dict(sd)
-        opt.load_state_dict(GraphshardFSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, model))
+        opt.load_state_dict(TorchFSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, model))
         return
     with ctx(impl, model, kind, rank0_only_optim):
         model.load_state_dict(sd)
@@ -459,8 +459,10 @@ def case_legacy(r: Result, params: str):
     tfull0, tfull_all, _, trekeyed = w["torch"]["saved"]
     check_osd(r, "full_optim_state_dict(rank0_only=False) vs optim_state_dict", full_all, w["gs"]["osd"])
     check_osd(r, "full_optim_state_dict(rank0_only=False) vs torch's", full_all, tfull_all)
+    check_osd(r, "full_optim_state_dict(rank0_only=False) vs unwrapped", full_all, w["unwrapped"]["osd"])
     if rank == 0:
         check_osd(r, "full_optim_state_dict (rank 0) vs torch's", full0, tfull0)
+        check_osd(r, "full_optim_state_dict (rank 0) vs unwrapped", full0, w["unwrapped"]["osd"])
     others = on_every_rank((full0 == {}, tfull0 == {}))
     r.ok("full_optim_state_dict on other ranks: torch's ({})", all(a == b for a, b in others[1:]), others)
     r.ok("sharded_optim_state_dict: DTensors", all(isinstance(v, DTensor) for st in sharded["state"].values()

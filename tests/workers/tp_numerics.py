@@ -10,7 +10,10 @@ Each CASE is ``plan:frontend:lower``:
   logits), ``fsdp_tp`` (tp on the "tp" axis plus FullyShard on "dp", 2x2 mesh);
 - frontend: ``parallelize`` (``graphshard.tensor_parallel.parallelize_module``)
   or ``plan`` (the same styles in a ``graphshard.Plan`` with ``graphshard.compile``);
-- lower: ``inductor`` or ``eager``.
+- lower: ``inductor`` or ``eager``;
+- an optional fourth field ``dynamic``: the batch size changes from step to step (2, 1, 3, ...),
+  so dynamo recompiles with a symbolic batch and the hard-coded head counts' merged
+  ``batch * heads`` dims are localized symbolically.
 
 Every case trains the tied-embedding transformer with hard-coded head counts
 for 5 steps of SGD with momentum and compares the loss and every gathered
@@ -107,7 +110,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def run_case(case: str) -> dict:
-    plan_name, frontend, lower = case.split(":")
+    plan_name, frontend, lower, *flags = case.split(":")
     torch._dynamo.reset()
     world = dist.get_world_size()
     torch.manual_seed(0)
@@ -132,11 +135,10 @@ def run_case(case: str) -> dict:
         assert gtp.parallelize_module(model, mesh, styles) is model
     else:
         graphshard.compile(model, graphshard.Plan(mesh, styles), lower=lower)
-    per_rank = 2
-    batches = [token_batch(step, per_rank * dp_world, SMALL.max_seq_len, SMALL.vocab_size, seed=2)
+    per_rank = [(2, 1, 3)[step % 3] if "dynamic" in flags else 2 for step in range(STEPS)]
+    batches = [token_batch(step, per_rank[step] * dp_world, SMALL.max_seq_len, SMALL.vocab_size, seed=2)
                for step in range(STEPS)]
-    mine = [(x[dp_rank * per_rank:(dp_rank + 1) * per_rank], y[dp_rank * per_rank:(dp_rank + 1) * per_rank])
-            for x, y in batches]
+    mine = [(x[dp_rank * n:(dp_rank + 1) * n], y[dp_rank * n:(dp_rank + 1) * n]) for (x, y), n in zip(batches, per_rank)]
     loss_ctx = gtp.loss_parallel if plan_name == "loss_parallel" else contextlib.nullcontext
     losses = train(model, mine, loss_ctx, inside)
     ref_losses = train(ref, batches, inside=inside)
@@ -150,6 +152,7 @@ def run_case(case: str) -> dict:
         "param_err": max_diff(full_params(model), full_params(ref)),
         "dtensor_params": sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)),
         "names": [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()],
+        "graphs": len(model._graphshard.explain) if hasattr(model, "_graphshard") else 0,
         "fallbacks": sorted({f for r in model._graphshard.explain for f in r.fallbacks})
         if hasattr(model, "_graphshard") else [],
     }
