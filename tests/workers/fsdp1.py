@@ -26,7 +26,12 @@ other, plus the names each wrapper's ``named_parameters()`` gives.
 from __future__ import annotations
 
 import copy
+import glob
+import os
+import re
+import shutil
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,20 @@ STEPS = 4
 _REDUCTION_EVENTS = ("gloo:reduce_scatter", "gloo:all_to_all", "gloo:all_reduce")
 """Profiler events of gloo's gradient reductions (what went over the wire; c10d ops also
 appear while graphshard traces, without communicating)."""
+
+
+_REDUCTION = re.compile(r': "(\w+)\[[^"]*\]" = torch\.ops\._c10d_functional\.'
+                        r'(?:all_to_all_single|reduce_scatter_tensor|all_reduce)\.default\(')
+
+
+def reduction_dtypes(dump_dir: str) -> list[str]:
+    """The dtypes of the gradient reductions in graphshard's backward graphs, read from its
+    ``dump_graphs`` output (on gloo a reduce-scatter is an all-to-all)."""
+    found = set()
+    for path in glob.glob(os.path.join(dump_dir, "g*_backward_*.txt")):
+        with open(path) as f:
+            found.update(_REDUCTION.findall(f.read()))
+    return sorted(found)
 
 
 def _reductions(prof) -> int:
@@ -105,6 +124,8 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     kwargs = dict(args["fsdp"])
+    if args.get("dump_graphs") and FSDP.__module__.startswith("graphshard"):  # graphshard's compile option
+        kwargs["dump_graphs"] = args["dump_graphs"]
     if args["bf16"]:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                    buffer_dtype=torch.bfloat16, keep_low_precision_grads=args["klp"])
@@ -235,9 +256,11 @@ def run_case(case: str) -> dict:
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
     out = {"case": case}
     results = {}
+    dump = tempfile.mkdtemp(prefix="fsdp1_graphs_") if args["bf16"] else None
     for name, cls in (("torch", TorchFSDP), ("graphshard", graphshard.fsdp.FullyShardedDataParallel)):
         try:
-            losses, norms, sd, names, reductions = train(cls, copy.deepcopy(base), block, logits, args, sl)
+            losses, norms, sd, names, reductions = train(cls, copy.deepcopy(base), block, logits,
+                                                         {**args, "dump_graphs": dump}, sl)
         except Exception as e:  # torch's FSDP1 cannot run every program; say which
             if name == "graphshard":
                 raise
@@ -253,6 +276,9 @@ def run_case(case: str) -> dict:
         (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
          out[f"{name}_buffer_dtypes"], out[f"{name}_summon"], out[f"{name}_grad_dtypes"]) = reductions
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
+    if dump is not None:
+        out["graphshard_reduction_dtypes"] = reduction_dtypes(dump)  # MixedPrecision(reduce_dtype=float32)
+        shutil.rmtree(dump, ignore_errors=True)
     if args["bf16"] and "torch" in results:
         # the whole effect of bf16 on this program: torch's FSDP1 with and without MixedPrecision.
         # A wrapper that ignored param_dtype would sit that far from torch's bf16 run.
