@@ -325,7 +325,7 @@ def local_tensors(dtensors: list) -> tuple[torch.Tensor, ...]:
     return _LocalTensors.apply(*dtensors)
 
 
-# --- Inductor's CPU build internals (graphshard/compiler/inductor_cpu.py's opt-in speedups) ---------------
+# --- Inductor's CPU build internals (graphshard/compiler/inductor_cpu.py's opt-in speedups) ----
 def inductor_config():
     """Inductor's configuration module (``torch._inductor.config``)."""
     from torch._inductor import config

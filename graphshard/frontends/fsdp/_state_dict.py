@@ -43,7 +43,7 @@ _CONFIGS = {
 }
 
 
-def _instances(module: nn.Module) -> list:
+def fsdp_instances(module: nn.Module) -> list:
     """The ``FullyShardedDataParallel`` instances in ``module``'s tree, in pre-order."""
     return [m for m in module.modules() if isinstance(m, StateDictMixin)]
 
@@ -66,7 +66,7 @@ class StateDictMixin:
                     f"{what} is a {type(cfg).__name__}, but {state_dict_type.name} takes a {cls.__name__}; "
                     f"pass {cls.__name__}(...) or None"
                 )
-        instances = _instances(module)
+        instances = fsdp_instances(module)
         if not instances:
             raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
         prev = StateDictMixin.get_state_dict_type(module)
@@ -79,7 +79,7 @@ class StateDictMixin:
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """The state-dict settings of the FSDP instances under ``module`` (one for all of them)."""
-        roots = {id(m._root): m._root for m in _instances(module)}
+        roots = {id(m._root): m._root for m in fsdp_instances(module)}
         if not roots:
             raise ValueError(f"{type(module).__name__} holds no graphshard.fsdp FullyShardedDataParallel instance")
         settings = [r.__dict__.get("_sd_settings") or _default_settings() for r in roots.values()]

@@ -35,7 +35,7 @@ from graphshard.compiler.grad_sync import no_sync
 from graphshard.config import CompileConfig
 from graphshard.frontends.fsdp._common import WRAPPED, clean_fqn, local_of_full
 from graphshard.frontends.fsdp._optim_state import OptimStateMixin
-from graphshard.frontends.fsdp._state_dict import StateDictMixin
+from graphshard.frontends.fsdp._state_dict import StateDictMixin, fsdp_instances
 from graphshard.frontends.fsdp.wrap import decide_units
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sharding import FLAT_PARAM, ShardedParam
@@ -248,7 +248,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """The ``FullyShardedDataParallel`` instances in ``module``'s tree (``module`` included), in
         pre-order; ``root_only``: only the roots."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        found = fsdp_instances(module)
         return [m for m in found if m._is_root] if root_only else found
 
     @staticmethod
