@@ -11,6 +11,7 @@ The frontends live in ``graphshard/frontends/``; their public import paths are
 import sys as _sys
 
 from graphshard.api import compile, explain, shard
+from graphshard.checkpointing import Checkpoint
 from graphshard.compiler.grad_sync import no_sync
 from graphshard.config import CompileConfig
 from graphshard.frontends import fsdp, model_parallel, tensor_parallel
@@ -23,5 +24,5 @@ for _name in [n for n in _sys.modules if n.startswith("graphshard.frontends.")]:
     _sys.modules["graphshard." + _name.removeprefix("graphshard.frontends.")] = _sys.modules[_name]
 del _name
 
-__all__ = ["Plan", "FullyShard", "Replicate", "ShardParams", "StridedShard", "ShardEmbedding", "CompileConfig", "shard",
+__all__ = ["Plan", "Checkpoint", "FullyShard", "Replicate", "ShardParams", "StridedShard", "ShardEmbedding", "CompileConfig", "shard",
            "compile", "explain", "no_sync", "auto_plan", "fsdp", "tensor_parallel", "model_parallel"]

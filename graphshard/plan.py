@@ -25,6 +25,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate as _R, Shard as _S
 
+from graphshard.checkpointing import Checkpoint
 from graphshard.styles import ModuleIO, ParallelStyle
 
 
@@ -187,6 +188,12 @@ class Plan:
     tensors in ``named_parameters()`` and ``state_dict()``. A parameter reachable under
     several FQNs is ignored when any of them matches.
 
+    ``checkpoint``: module FQN globs -> `graphshard.Checkpoint`: activation checkpointing of those
+    modules' forward (full, or selective with a policy), compiled as recomputation in the
+    backward. Put it on the units (``"layers.*"``) as FSDP users put ``checkpoint_wrapper``:
+    a checkpointed module inside a unit, or one spanning several units, is allowed and
+    ``explain`` says what that costs.
+
     ``notes``: lines ``explain`` prints before the compiled graphs (``auto_plan``'s reasons).
     ``torchrec_plan``: the TorchRec ``ShardingPlan`` of the model's TorchRec embedding modules
     (``auto_plan`` on a TorchRec model); ``model_parallel.DistributedModelParallel(plan=<this
@@ -194,7 +201,8 @@ class Plan:
     """
 
     def __init__(self, mesh: DeviceMesh, rules: Mapping[str, Spec], *, collectives: str = "auto",
-                 ignored_params: Iterable[str] = (), notes: Iterable[str] = (), torchrec_plan=None):
+                 ignored_params: Iterable[str] = (), checkpoint: Mapping[str, Checkpoint] | None = None,
+                 notes: Iterable[str] = (), torchrec_plan=None):
         if not isinstance(mesh, DeviceMesh):
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
@@ -226,6 +234,11 @@ class Plan:
             raise ValueError(f"Plan(ignored_params={ignored_params!r}): expected parameter FQN globs (strings), "
                              "e.g. ('head.**', 'emb.weight')")
         self.ignored_params = tuple(ignored_params)
+        self.checkpoint = dict(checkpoint or {})
+        for key, spec in self.checkpoint.items():
+            if not isinstance(key, str) or not isinstance(spec, Checkpoint):
+                raise ValueError(f"Plan(checkpoint={{{key!r}: {spec!r}}}): expected module FQN globs mapped to "
+                                 "graphshard.Checkpoint(...) (e.g. {'layers.*': Checkpoint()})")
         self.notes = tuple(notes)
         self.torchrec_plan = torchrec_plan
         # Styles apply to the axis named "tp", or to the only axis of a 1-D mesh.
@@ -269,7 +282,8 @@ class Plan:
     def __repr__(self) -> str:
         forms = "" if self.collectives == "auto" else f", collectives={self.collectives!r}"
         ignored = f", ignored_params={self.ignored_params!r}" if self.ignored_params else ""
-        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r}{forms}{ignored})"
+        ckpt = f", checkpoint={self.checkpoint!r}" if self.checkpoint else ""
+        return f"Plan(mesh={self.mesh!r}, rules={self.rules!r}{forms}{ignored}{ckpt})"
 
 
 @dataclass(frozen=True)
@@ -288,6 +302,8 @@ class Resolution:
 
     layouts: dict[int, ParamLayout]           # by parameter identity; parameters the plan leaves alone are absent
     io: dict[int, tuple[str, ModuleIO]]       # by module identity: declared activation layouts (styles)
+    checkpoints: dict[int, Checkpoint] = field(default_factory=dict)  # by module identity: activation checkpointing
+    checkpoint_notes: tuple[str, ...] = ()    # checkpointed modules that are not one unit, and what that costs
 
 
 def _normalized(placement: Placement, ndim: int) -> Placement:
@@ -441,7 +457,42 @@ def resolve(model: nn.Module, plan: Plan) -> Resolution:
             f"parameters {orphans[:5]}{' ...' if len(orphans) > 5 else ''} belong to no unit; every parameter needs "
             "a FullyShard() or Replicate() owner on a data-parallel mesh: add a root key, e.g. {'': FullyShard()}"
         )
-    return Resolution(layouts, io)
+    checkpoints, notes = _checkpoints(plan, model, modules, {v[0] for v in unit_of_module.values()})
+    return Resolution(layouts, io, checkpoints, notes)
+
+
+def _checkpoints(plan: Plan, model: nn.Module, modules: dict[str, nn.Module],
+                 units: set[str]) -> tuple[dict[int, Checkpoint], tuple[str, ...]]:
+    """The checkpointed modules by identity, and a note for each that is not a unit boundary (on a
+    mesh with data-parallel units): inside a unit, its recomputation reads the unit's parameters
+    gathered again (FULL_SHARD) or kept (SHARD_GRAD_OP); spanning several units, it needs all of them
+    gathered at once in the backward."""
+    chosen: dict[int, tuple[str, Checkpoint, str]] = {}
+    for key, spec in plan.checkpoint.items():
+        hits = [(fqn, m) for fqn, m in modules.items() if fqn_match(fqn, key)]
+        if not hits:
+            close = difflib.get_close_matches(key, [f for f in modules if f], n=3, cutoff=0.4)
+            raise ValueError(f"Plan(checkpoint=...) key {key!r} matches no module of {type(model).__name__}; "
+                             f"closest FQNs: {close or 'none'}")
+        for fqn, mod in hits:
+            prev = chosen.setdefault(id(mod), (fqn, spec, key))
+            if prev[1] != spec:
+                raise ValueError(f"module {fqn!r} is given two Checkpoint specs (by checkpoint keys {prev[2]!r} and "
+                                 f"{key!r}); keep one")
+    notes = []
+    for fqn, spec, _ in chosen.values():
+        if fqn in units or not units:
+            continue
+        inner = sorted(u for u in units if u != fqn and (fqn == "" or u.startswith(fqn + ".")))
+        if inner:
+            notes.append(f"checkpointed module {fqn or '<root>'!r} spans units {inner[:4]}{' ...' if len(inner) > 4 else ''}: "
+                         "its recomputation in the backward needs all of their parameters gathered at once; "
+                         "checkpoint the units themselves to gather one at a time")
+        else:
+            owner = max((u for u in units if u == "" or fqn.startswith(u + ".")), key=len, default="")
+            notes.append(f"checkpointed module {fqn!r} is part of unit {owner or '<root>'!r}: its recomputation "
+                         "reads that unit's parameters (gathered again if the unit reshards after forward)")
+    return {mid: spec for mid, (_, spec, _) in chosen.items()}, tuple(notes)
 
 
 def _ignored(plan: Plan, params_by_fqn: dict[str, nn.Parameter]) -> set[int]:

@@ -10,6 +10,7 @@ module, tied weights) is one object, sharded once, and every FQN points at it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import types
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from graphshard import sharding
 from graphshard.ops import ops
 from graphshard.ops.dense import local_chunk
+from graphshard.checkpointing import Checkpoint, run_checkpointed
 from graphshard.params import AxisGroup
 from graphshard.plan import FullyShard, Plan, StridedShard, resolve
 from graphshard.sharding import FLAT_PARAM, FlatSlot, FlatUnit, ShardedModel, ShardedParam
@@ -124,6 +126,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
     flat = {unit: _flatten(modules[unit], [records[k] for k in keys], replacements, key_of)
             for unit, keys in units.items() if getattr(records[keys[0]].layout.unit_spec, "flat_params", False)}
     tp_axis = plan.tp_axis
+    checkpoints = resolution.checkpoints
     for mod in model.modules():  # modules() deduplicates shared modules
         names = {}
         for pname, p in list(mod._parameters.items()):
@@ -138,8 +141,9 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
                     mod._parameters[pname] = replacements[id(p)]
         io = resolution.io.get(id(mod))
         bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
-        if names or bound is not None or mod is model:
-            _install(mod, params=names, io=bound, root=mod is model)
+        spec = checkpoints.get(id(mod))
+        if names or bound is not None or spec is not None or mod is model:
+            _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec)
     state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups, flat=flat,
                          collections=list(collections))
     sharding.register(state)
@@ -235,9 +239,11 @@ class _BoundIO:
         return out
 
 
-def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | None, root: bool) -> None:
+def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | None, root: bool,
+             checkpoint: Checkpoint | None = None) -> None:
     """Swaps ``mod``'s class for a subclass whose parameter attributes go through the marker and
-    whose forward applies the declared activation layouts (and, on the root, tracks forward depth).
+    whose forward applies the declared activation layouts, runs under activation checkpointing
+    (a plan's `Checkpoint`) and, on the root, tracks forward depth.
     The module keeps, per attribute, what its getter needs: the marker's key and dtype (plain
     values, cheap for dynamo to guard on), or the parameter's record when it lives in a flat unit."""
     cls = type(mod)
@@ -249,7 +255,9 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
         mod._graphshard_io = io
     if root:
         mod._graphshard_root = True
-    wraps_forward = "_graphshard_io" in mod.__dict__ or "_graphshard_root" in mod.__dict__
+    if checkpoint is not None:
+        mod._graphshard_checkpoint = checkpoint
+    wraps_forward = any(k in mod.__dict__ for k in ("_graphshard_io", "_graphshard_root", "_graphshard_checkpoint"))
     cache_key = (base, frozenset(markers), frozenset(flat), wraps_forward)
     sub = None if root else _subclass_cache.get(cache_key)
     if sub is None:
@@ -274,14 +282,16 @@ def _wrapped_forward(base: type, own_code: bool = False):
         io = self.__dict__.get("_graphshard_io")
         if io is not None:
             args, kwargs = io.inputs(args, kwargs)
+        spec = self.__dict__.get("_graphshard_checkpoint")
+        run = base.forward if spec is None else functools.partial(run_checkpointed, spec, base.forward)
         if self.__dict__.get("_graphshard_root") and not torch.compiler.is_compiling():
             _forward.depth += 1
             try:
-                out = base.forward(self, *args, **kwargs)
+                out = run(self, *args, **kwargs)
             finally:
                 _forward.depth -= 1
         else:
-            out = base.forward(self, *args, **kwargs)
+            out = run(self, *args, **kwargs)
         return out if io is None else io.outputs(out)
 
     if not own_code:

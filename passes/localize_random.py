@@ -31,6 +31,7 @@ import operator
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
+from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard import _compat
 from graphshard.ops import ops
@@ -38,6 +39,7 @@ from graphshard.passes._graph import R, aten
 from graphshard.plan import StridedShard
 from graphshard.passes.context import PassContext, log
 from graphshard.ops.rng import RandomDraws
+from graphshard.passes.tag_recomputation import RECOMPUTED
 
 # Freshly allocated buffers that an in-place random fill may replace outright.
 _FRESH = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default, aten.zeros_like.default,
@@ -45,9 +47,12 @@ _FRESH = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.defa
 
 
 def localize_random(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.model_parallel:
-        return gm  # data-parallel ranks draw from their own generators: the rule holds already
     randoms = [n for n in gm.graph.nodes if n.op == "call_function" and _is_random(n)]
+    if not ctx.model_parallel:
+        # Data-parallel ranks draw from their own generators: the rule holds already. A random op
+        # the backward recomputes (activation checkpointing) must draw the forward's values
+        # again: it draws from the per-call key too, each rank from its own.
+        randoms = [n for n in randoms if n.meta.get("recompute") in RECOMPUTED]
     if not randoms:
         return gm
     draws = _Draws(gm.graph, ctx)
@@ -61,8 +66,11 @@ def localize_random(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if draws.count:
         ctx.random = draws.finish()
         axes = ", ".join(repr(a) for a in ctx.model_parallel)
-        ctx.report.notes.append(f"random ops: {draws.count} drawn by logical element from one stream per "
-                                f"model-parallel group ({axes}) (localize_random)")
+        ctx.report.notes.append(
+            f"random ops: {draws.count} drawn by logical element from one stream per model-parallel group ({axes}) "
+            "(localize_random)" if axes else f"random ops: {draws.count} in recomputed regions drawn from a "
+            "per-call key, each rank its own, so the backward's recomputation draws the forward's values "
+            "(localize_random)")
     return gm
 
 
@@ -107,6 +115,10 @@ def _fallback(node: fx.Node, why: str, ctx: PassContext) -> None:
             "the fused attention kernel)"
         )
     msg = f"{node.target} at node {node.name!r}: {why}; drawn from each rank's own generator"
+    if node.meta.get("recompute") in RECOMPUTED:
+        # Its recomputation would draw other values: the backward reads the forward's draw instead.
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        msg += ", and saved for the backward (a recomputation would draw other values)"
     if msg not in ctx.report.fallbacks:
         ctx.report.fallbacks.append(msg)
         log.warning("graphshard fallback: %s", msg)
@@ -167,14 +179,18 @@ class _Emitter:
     def __init__(self, anchor: fx.Node, draws: _Draws, ctx: PassContext):
         self.anchor, self.draws, self.ctx = anchor, draws, ctx
         self.g = anchor.graph
-        pl, out = anchor.meta["placement"], anchor.meta["val"]
-        self.placement = pl[0] if isinstance(pl, list) else pl
-        assert not any(isinstance(p, Partial) for p in self.placement.values()), (
-            f"{anchor.name}: a random op's rule gave a Partial output")
+        out = anchor.meta["val"]
         self.out = out[0] if isinstance(out, (list, tuple)) else out
-        # a multi-output op (native_dropout) has no logical_shape of its own: its input's
-        self.logical = (anchor.args[0].meta["logical_shape"] if isinstance(out, (list, tuple))
-                        else anchor.meta["logical_shape"])
+        if not ctx.model_parallel:  # a recomputed op of a data-parallel program: local is logical
+            self.placement, self.logical = {}, tuple(self.out.shape)
+        else:
+            pl = anchor.meta["placement"]
+            self.placement = pl[0] if isinstance(pl, list) else pl
+            assert not any(isinstance(p, Partial) for p in self.placement.values()), (
+                f"{anchor.name}: a random op's rule gave a Partial output")
+            # a multi-output op (native_dropout) has no logical_shape of its own: its input's
+            self.logical = (anchor.args[0].meta["logical_shape"] if isinstance(out, (list, tuple))
+                            else anchor.meta["logical_shape"])
         self.key = draws.key_for(self.out.device)
         self.salt = 2 * (draws.count - 1)  # two streams per op (Box-Muller takes both)
 

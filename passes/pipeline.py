@@ -17,7 +17,7 @@ from graphshard.passes.localize_shapes import localize_shapes
 from graphshard.passes.relax_views import relax_views
 from graphshard.passes.schedule_overlap import schedule_overlap
 from graphshard.passes.shard_embeddings import shard_embeddings
-from graphshard.passes.tag_resharding import tag_resharding
+from graphshard.passes.tag_recomputation import tag_recomputation
 
 __all__ = ["Pass", "PassContext", "op_counts", "post_partition_passes", "pre_autograd_passes", "run_passes"]
 
@@ -31,7 +31,7 @@ def pre_autograd_passes() -> list[Pass]:
         localize_random,      # after localization: a random op's local and logical sizes are both known; emits per-rank draws
         shard_embeddings,     # on the per-rank program: a lookup's input and output are per-rank, its program has no logical form
         bucket_collectives,   # after localization: merges each unit's unshards into one collective
-        tag_resharding,       # last: tags the final unshard nodes recompute/save for aot_autograd's partitioner
+        tag_recomputation,    # last: tags the final nodes (AC regions, unshards) recompute/save for aot_autograd's partitioner
     ]
 
 
@@ -74,5 +74,9 @@ def _dump(ctx: PassContext, name: str, when: str, gm: fx.GraphModule, diff: dict
     path = os.path.join(ctx.config.dump_graphs, f"g{ctx.graph_index}_{ctx.stage}_{idx:02d}_{name}_{when}.txt")
     with open(path, "w") as f:
         f.write(gm.print_readable(print_output=False, include_stride=False, include_device=False))
+        tags = [f"#   {n.name}: {n.meta['recompute'].name} (region {n.meta.get('ac_graph_id')})"
+                for n in gm.graph.nodes if "recompute" in n.meta]
+        if tags:
+            f.write("\n# recompute tags (aot_autograd's partitioner reads them):\n" + "\n".join(tags) + "\n")
         if diff is not None:
             f.write(f"\n# op-count diff: {diff}\n")

@@ -74,16 +74,20 @@ def coverage_table(results: dict) -> str:
             r = results.get(f"{arch}:{col}")
             if r is None:
                 cells.append("")
+            elif r.get("skipped"):
+                cells.append("n/a")
             elif r["ok"]:
                 cells.append("ok")
             elif "error" in r:
                 cells.append(f"FAIL {r['error']}")
             else:
                 why = f"loss {r['loss_err']:.1e} param {r['param_err']:.1e}"
-                cells.append(f"FAIL {why}" + (f", {r['new_graphs']} new graphs" if r["new_graphs"] else ""))
+                cells.append(f"FAIL {why}" + (f", {r['new_graphs']} new graphs" if r["new_graphs"] else "")
+                             + (", nothing recomputed" if r.get("recomputed_ops") == 0 else ""))
         lines.append(f"| {arch} | " + " | ".join(cells) + " |")
     ok = sum(r["ok"] for r in results.values())
-    lines.append(f"\n{ok}/{len(results)} ok")
+    skipped = sum(bool(r.get("skipped")) for r in results.values())
+    lines.append(f"\n{ok}/{len(results) - skipped} ok" + (f" ({skipped} n/a: no gradient checkpointing)" if skipped else ""))
     return "\n".join(lines)
 
 

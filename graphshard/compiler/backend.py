@@ -33,7 +33,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
-from graphshard.compiler import grad_sync, inductor_cpu
+from graphshard.compiler import grad_sync, inductor_cpu, recompute
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
@@ -134,9 +134,10 @@ def _random_inputs(ctx: PassContext) -> KeyStream | None:
     draws = ctx.random
     if draws is None:
         return None
-    meshes = [ctx.meshes[axis] for axis in draws.agree_over]
+    meshes = [ctx.meshes[axis] for axis in draws.agree_over]  # none: each rank draws its own (recomputed ops)
     return KeyStream(draws, [ctx.model_parallel[axis].rank for axis in draws.coord_axes],
-                     [mesh.get_group() for mesh in meshes], torch.device(meshes[0].device_type))
+                     [mesh.get_group() for mesh in meshes],
+                     torch.device(meshes[0].device_type) if meshes else draws.device)
 
 
 def _added_inputs(gm: fx.GraphModule, known: int) -> list:
@@ -237,24 +238,51 @@ def _sparse_collections(gm: fx.GraphModule, models: tuple[ShardedModel, ...], by
 
 
 def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
-    """Rewires ``p.to_local()`` to the placeholder itself; returns the DTensor input positions."""
+    """Rewires ``p.to_local()`` to the placeholder itself; returns the DTensor input positions.
+    A DTensor passed into a higher-order op's body (activation checkpointing's
+    ``tag_activation_checkpoint``: dynamo lifts the parameters a checkpointed function reads into
+    its body's inputs) is rewired inside that body the same way."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    positions = []
-    for i, (ph, x) in enumerate(zip(placeholders, example_inputs)):
-        if not isinstance(x, DTensor):
-            continue
-        positions.append(i)
+    positions = [i for i, (ph, x) in enumerate(zip(placeholders, example_inputs)) if isinstance(x, DTensor)]
+    _strip_to_local(gm, [placeholders[i] for i in positions])
+    return positions
+
+
+def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node]) -> None:
+    """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``) by the node itself,
+    following them into the bodies of the higher-order ops they are passed to."""
+    bodies: dict[str, set[int]] = {}  # body attribute -> positions of its inputs that are DTensors
+    for ph in dtensors:
         for user in list(ph.users):
             if _compat.is_plain_to_local(user):
                 user.replace_all_uses_with(ph)
                 gm.graph.erase_node(user)
-            else:
+                continue
+            body = _body_of(gm, user)
+            if body is None or ph in user.kwargs.values():
                 raise NotImplementedError(
                     f"graph input {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
                     "graphshard compiles parameters read through the module attribute; read it as module.<name>"
                 )
+            bodies.setdefault(user.args[0].target, set()).update(
+                i for i, a in enumerate(user.args[1:]) if a is ph)
+    for name, dtensor_positions in bodies.items():
+        body = getattr(gm, name)
+        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        _strip_to_local(body, [inputs[i] for i in sorted(dtensor_positions)])
     gm.recompile()
-    return positions
+
+
+def _body_of(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
+    """The body of a higher-order op call whose first argument is a ``get_attr`` of a subgraph
+    (``tag_activation_checkpoint(body, *args)``); None for any other node."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return None
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node) or first.op != "get_attr":
+        return None
+    body = getattr(gm, first.target, None)
+    return body if isinstance(body, fx.GraphModule) else None
 
 
 def _fake_local(x, fake_mode):
@@ -309,7 +337,14 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         if (config.lower == "inductor" and config.fast_isa_check
                 and any(x.device.type == "cpu" for x in _tensors(joint_inputs))):
             inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
+        regions = recompute.regions(joint)
+        untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
+        if regions:
+            start = time.perf_counter()
+            saved_without = recompute.saved_bytes(base(untagged, joint_inputs, **kwargs)[0], kwargs["num_fwd_outputs"])
+            ctx.report.recompute = recompute.summary(fw, bw, kwargs["num_fwd_outputs"], saved_without, regions)
+            ctx.report.compile_seconds["ac_accounting"] = time.perf_counter() - start
         ctx.stage = "forward"
         fw = run_passes(fw, ctx, post_partition_passes())
         ctx.stage = "backward"

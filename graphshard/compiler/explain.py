@@ -31,6 +31,7 @@ class GraphReport:
     sparse: list[str] = field(default_factory=list)  # sharded embedding collections: tables, sharding, kernels
     notes: list[str] = field(default_factory=list)
     compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    recompute: dict = field(default_factory=dict)  # activation checkpointing (compiler.recompute.summary)
 
     def format(self) -> str:
         lines = [f"graph {self.index}:"]
@@ -58,6 +59,14 @@ class GraphReport:
         for stage, c in self.regions.items():
             lines.append(f"  regions ({stage}): {c['regions']}, {c['compiled']} compiled by Inductor, "
                          f"{c['eager']} run as ATen calls")
+        if self.recompute:
+            r = self.recompute
+            lines.append(f"  activation checkpointing: {r['regions']} region(s); the forward saves "
+                         f"{_fmt_bytes(r['saved_bytes'])} for the backward ({_fmt_bytes(r['saved_bytes_without_ac'])} "
+                         "without checkpointing)")
+            for label, ops in r["per_region"].items():
+                top = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+                lines.append(f"    {label}: recomputes {sum(ops.values())} ops ({top}{', ...' if len(ops) > 6 else ''})")
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
         if self.compile_seconds:
             lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))

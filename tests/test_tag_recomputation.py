@@ -20,31 +20,31 @@ def _tags(text_model, plan):
     return [f"{n.name}: {n.meta['recompute'].name}" for n in g.graph.nodes if "recompute" in n.meta]
 
 
-class TestTagResharding(TestCase):
-    def test_graph_after_tag_resharding(self):
+class TestTagRecomputation(TestCase):
+    def test_graph_after_tag_recomputation(self):
         # The unshard nodes (and their getitems) carry the recompute policy and unit as annotations.
-        text = graph_after(stack(), fsdp_plan(), (torch.randn(4, 8),), "tag_resharding")
+        text = graph_after(stack(), fsdp_plan(), (torch.randn(4, 8),), "tag_recomputation")
         self.assertEqual(text.count("MUST_RECOMPUTE"), 6)
         self.assertExpectedInline(text, """\
 class <lambda>(torch.nn.Module):
     def forward(self, arg0_1: "f32[2, 8]", arg1_1: "f32[4, 8]", arg2_1: "f32[2, 8]", arg3_1: "f32[2, 8]"):
-        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 0 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 1 - MUST_RECOMPUTE
         unshard_default = torch.ops.graphshard.unshard.default([arg0_1], ['layers.0.weight']);  arg0_1 = None
-        # ac_graph_id: 0 - MUST_RECOMPUTE
+        # ac_graph_id: 1 - MUST_RECOMPUTE
         getitem: "f32[8, 8]" = unshard_default[0];  unshard_default = None
         t: "f32[8, 8]" = torch.ops.aten.t.default(getitem);  getitem = None
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(arg1_1, t);  arg1_1 = t = None
         relu: "f32[4, 8]" = torch.ops.aten.relu.default(mm);  mm = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         unshard_default_1 = torch.ops.graphshard.unshard.default([arg2_1], ['layers.1.weight']);  arg2_1 = None
-        # ac_graph_id: 1 - MUST_RECOMPUTE
+        # ac_graph_id: 2 - MUST_RECOMPUTE
         getitem_1: "f32[8, 8]" = unshard_default_1[0];  unshard_default_1 = None
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(getitem_1);  getitem_1 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(relu, t_1);  relu = t_1 = None
         relu_1: "f32[4, 8]" = torch.ops.aten.relu.default(mm_1);  mm_1 = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         unshard_default_2 = torch.ops.graphshard.unshard.default([arg3_1], ['layers.2.weight']);  arg3_1 = None
-        # ac_graph_id: 2 - MUST_RECOMPUTE
+        # ac_graph_id: 3 - MUST_RECOMPUTE
         getitem_2: "f32[8, 8]" = unshard_default_2[0];  unshard_default_2 = None
         t_2: "f32[8, 8]" = torch.ops.aten.t.default(getitem_2);  getitem_2 = None
         mm_2: "f32[4, 8]" = torch.ops.aten.mm.default(relu_1, t_2);  relu_1 = t_2 = None
@@ -86,4 +86,4 @@ getitem_2: MUST_SAVE""")
         g = compiled_stages(tiny_transformer(), fsdp_plan(), (x,), loss_fn=lambda out: lm_loss(out, y))
         self.assertEqual(g["forward"].count("all_gather_into_tensor.default("), 2)
         self.assertEqual(g["backward"].count("all_gather_into_tensor.default("), 1)
-        self.assertIn("Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 1 - MUST_RECOMPUTE", g["backward"])
+        self.assertIn("Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 2 - MUST_RECOMPUTE", g["backward"])

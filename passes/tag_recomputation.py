@@ -1,0 +1,128 @@
+"""tag_recomputation: what the backward recomputes, as the tags aot_autograd's partitioner reads.
+
+Two facts decide it, and this pass writes both as ``node.meta["recompute"]`` (a
+``CheckpointPolicy``) and ``node.meta["ac_graph_id"]`` (a region number):
+
+Activation checkpointing (AC). Tracing a checkpointed function (``torch.utils.checkpoint``
+without reentry, HF's ``gradient_checkpointing_enable()``, ``checkpoint_wrapper``, a plan's
+`graphshard.Checkpoint`) tags every op it records with the region's policy:
+``PREFER_RECOMPUTE`` under full AC, the policy function's choice under selective AC. The trace
+numbers regions from a process-wide counter; the partitioner compares the numbers (a value a
+region recomputes and a later region reads is saved, the boundary between two checkpointed
+blocks), so this pass renumbers them 1, 2, ... in program order. Nodes the passes inserted
+inside a region (a tensor-parallel all-reduce, a local view, a keyed random draw) were not
+traced there and carry no tag: a node whose every user is in region r, and which reads no other
+region, joins r. A collective joins as recomputed under full AC (the forward re-runs, as eager
+AC re-runs it) and as saved under selective AC (torchtitan's selective policy saves what
+collectives produce: their outputs cost memory, their recomputation costs communication).
+
+Reshard after forward. FULL_SHARD units (``reshard_after_forward=True``) free their gathered
+parameters after forward and gather them again in backward: their ``unshard`` nodes are
+``MUST_RECOMPUTE``. SHARD_GRAD_OP units keep them: ``MUST_SAVE``. aot_autograd copies a tag onto
+every node it traces the tagged node into (all-gather, wait, casts, views), so the backward
+re-issues exactly the FULL_SHARD all-gathers, and a region's recomputation reads what they
+gather. An ``unshard`` takes the highest number of the regions that read it (or a number of its
+own), so the boundary rule above never saves gathered parameters.
+
+The root unit (plan key ``""``) keeps its parameters whatever its spec says
+(`ShardedParam.reshard_after_forward`), as FSDP2's root does: the backward starts with the
+layers that ran last in the forward, typically the root's (the output head, a tied embedding),
+so resharding it would only gather it again at once, an all-gather with nothing to hide under.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from graphshard.ops import ops
+from graphshard.passes.bucket_collectives import unshard_units
+from graphshard.passes.context import PassContext
+
+RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+_COLLECTIVE_NAMESPACES = ("graphshard", "_c10d_functional")
+
+
+def tag_recomputation(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    gathered = _gathered(gm)
+    regions = _number_regions(gm, gathered)
+    if regions:
+        _join_inserted(gm, gathered, _selective_regions(gm))
+    _tag_unshards(gm, ctx, regions)
+    return gm
+
+
+def _gathered(gm: fx.GraphModule) -> set[fx.Node]:
+    """The unshard nodes and the items of their results: tagged by the reshard policy, never by AC."""
+    nodes = set()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == ops.unshard.default:
+            nodes.add(node)
+            nodes.update(u for u in node.users if u.target is operator.getitem)
+    return nodes
+
+
+def _number_regions(gm: fx.GraphModule, gathered: set[fx.Node]) -> int:
+    """Renumbers the trace's AC regions 1, 2, ... in program order; returns how many there are."""
+    numbers: dict = {}
+    for node in gm.graph.nodes:
+        if node in gathered or "ac_graph_id" not in node.meta or "recompute" not in node.meta:
+            continue
+        node.meta["ac_graph_id"] = numbers.setdefault(node.meta["ac_graph_id"], len(numbers) + 1)
+    return len(numbers)
+
+
+def _selective_regions(gm: fx.GraphModule) -> set[int]:
+    """Regions whose policy saved some op (selective AC): full AC recomputes every op."""
+    return {n.meta["ac_graph_id"] for n in gm.graph.nodes
+            if "ac_graph_id" in n.meta and n.meta.get("recompute") not in RECOMPUTED}
+
+
+def _join_inserted(gm: fx.GraphModule, gathered: set[fx.Node], selective: set[int]) -> None:
+    """Untagged nodes whose every user is in one region, reading no other region, join it. Users
+    come after their producers, so one walk from the output back settles chains of such nodes."""
+    for node in reversed(gm.graph.nodes):
+        if node.op != "call_function" or node in gathered or "recompute" in node.meta or not node.users:
+            continue
+        users = {u.meta.get("ac_graph_id") if "recompute" in u.meta and u not in gathered else None for u in node.users}
+        if len(users) != 1 or None in users:
+            continue
+        (region,) = users
+        if any("recompute" in a.meta and a not in gathered and a.meta.get("ac_graph_id") != region
+               for a in node.all_input_nodes):
+            continue
+        collective = getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES or (
+            node.target is operator.getitem and getattr(node.args[0].target, "namespace", None) in _COLLECTIVE_NAMESPACES)
+        save = collective and region in selective
+        node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
+        node.meta["ac_graph_id"] = region
+
+
+def _tag_unshards(gm: fx.GraphModule, ctx: PassContext, regions: int) -> None:
+    for index, (unit, nodes) in enumerate(unshard_units(gm, ctx).items()):
+        info = ctx.params[nodes[0].args[1][0]]
+        if info.shard is None:
+            continue  # replicated units gather nothing
+        policy = CheckpointPolicy.MUST_RECOMPUTE if info.reshard_after_forward else CheckpointPolicy.MUST_SAVE
+        for node in nodes:
+            readers = [r for item in node.users for r in _readers(item)]
+            number = max(readers, default=regions + 1 + index)
+            for tagged in (node, *node.users):
+                tagged.meta["recompute"] = policy
+                tagged.meta["ac_graph_id"] = number
+            node.meta.setdefault("custom", {})["graphshard_unit"] = unit
+
+
+def _readers(node: fx.Node) -> list[int]:
+    """The AC regions that read ``node``, directly or through untagged one-input ops (views, casts)."""
+    found, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        if "recompute" in user.meta and "ac_graph_id" in user.meta:
+            found.append(user.meta["ac_graph_id"])
+        elif len(user.all_input_nodes) == 1:
+            todo.extend(user.users)
+    return found
