@@ -192,6 +192,7 @@ class ShardedModel:
     collections: list = field(default_factory=list)   # its sharded embedding collections (SparseCollection)
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
+    checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 
     def param_for_fqn(self, fqn: str) -> ShardedParam:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import types
 
@@ -31,6 +32,8 @@ from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
 _subclass_cache: dict[tuple, type] = {}
+
+log = logging.getLogger("graphshard")
 
 
 def state_of(model: nn.Module) -> ShardedModel | None:
@@ -145,10 +148,20 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         if names or bound is not None or spec is not None or mod is model:
             _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec)
     state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups, flat=flat,
-                         collections=list(collections))
+                         collections=list(collections), checkpointing=_checkpointing(model, resolution))
     sharding.register(state)
     model._graphshard = state
     return model
+
+
+def _checkpointing(model: nn.Module, resolution) -> list[str]:
+    """What ``explain`` lists of the plan's activation checkpointing: each checkpointed module
+    with its mode, then the notes on those that are not a unit (also logged: a choice the plan made)."""
+    lines = [f"{fqn or '<root>'}: {resolution.checkpoints[id(m)].describe()}"
+             for fqn, m in model.named_modules() if id(m) in resolution.checkpoints]
+    for note in resolution.checkpoint_notes:
+        log.info("graphshard: %s", note)
+    return lines + [f"note: {n}" for n in resolution.checkpoint_notes]
 
 
 def _flatten(module: nn.Module, records: list[ShardedParam], replacements: dict[int, nn.Parameter],
@@ -283,15 +296,12 @@ def _wrapped_forward(base: type, own_code: bool = False):
         if io is not None:
             args, kwargs = io.inputs(args, kwargs)
         spec = self.__dict__.get("_graphshard_checkpoint")
-        run = base.forward if spec is None else functools.partial(run_checkpointed, spec, base.forward)
-        if self.__dict__.get("_graphshard_root") and not torch.compiler.is_compiling():
-            _forward.depth += 1
-            try:
-                out = run(self, *args, **kwargs)
-            finally:
-                _forward.depth -= 1
+        if spec is not None:  # eagerly, the recomputation runs in the backward, outside the root's forward
+            out = run_checkpointed(spec, _counted_forward(base), self, *args, **kwargs)
+        elif self.__dict__.get("_graphshard_root"):
+            out = _counted_forward(base)(self, *args, **kwargs)
         else:
-            out = run(self, *args, **kwargs)
+            out = base.forward(self, *args, **kwargs)
         return out if io is None else io.outputs(out)
 
     if not own_code:
@@ -300,6 +310,21 @@ def _wrapped_forward(base: type, own_code: bool = False):
     fn = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
     fn.__qualname__ = f"{base.__qualname__}.forward"
     return fn
+
+
+def _counted_forward(base: type):
+    """``base.forward`` that, run eagerly, counts as a sharded model's forward (`in_forward`):
+    parameters read in it are gathered through the marker."""
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return base.forward(self, *args, **kwargs)
+        _forward.depth += 1
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            _forward.depth -= 1
+
+    return forward
 
 
 def _marker_getter(name: str):

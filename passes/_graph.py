@@ -54,9 +54,12 @@ def fmt_placements(pl) -> str:
 
 def _drop_noise(text: str) -> str:
     """Drops blank lines, file/line comments and "No stacktrace" notes from printed graphs."""
+    import re
+
     lines = []
     for line in text.splitlines():
         line = line.replace(" No stacktrace found for following nodes", "")
+        line = re.sub(r" File: .*$", "", line) if line.lstrip().startswith("#") else line  # a node's source line
         if line.strip() in ("", "#", "# No stacktrace found for following nodes") or line.strip().startswith("# File:"):
             continue
         lines.append(line)

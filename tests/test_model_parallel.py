@@ -25,7 +25,7 @@ TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
          "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "seq:rowwise_adagrad", "seq:sgd:dp",
          "seqtwo:rowwise_adagrad", "dlrm:rowwise_adagrad:planned", "dlrm:rowwise_adagrad:triton",
-         "dlrm:rowwise_adagrad:auto"]
+         "dlrm:rowwise_adagrad:auto", "dlrm:rowwise_adagrad:fsdp:ac"]
 """``weighted``: per-sample weights in the KJT; ``inbackward_``: the tables' optimizer from TorchRec's
 ``apply_optimizer_in_backward`` instead of the sharder's ``fused_params``; ``fsdp``: graphshard's
 dense part sharded (``FullyShardDense``) in the same program as the sparse exchange; ``seq``: an
@@ -39,6 +39,9 @@ dense units in one 64 KiB budget), given to graphshard's DMP as a graphshard ``P
 TorchRec's as its ``torchrec_plan``."""
 FOUR_RANK = ["dlrm4:rowwise_adagrad"]
 """4 ranks as 2 hosts x 2 (``LOCAL_WORLD_SIZE=2``): table-row-wise tables on each host."""
+AC = [c for c in CASES if c.endswith(":ac")]
+"""``ac``: the dense part (DLRM's dense and over arch) under torch's ``apply_activation_checkpointing``
+in all three runs; graphshard compiles it as recomputation in the backward."""
 TORCHREC_WRONG = {"twotower:rowwise_adagrad", "dlrm4:rowwise_adagrad", "seqtwo:rowwise_adagrad"}
 """TorchRec (1.9.2) shards a module reachable under two FQNs per FQN and applies the fused
 update once per use: row-wise Adagrad then accumulates its state twice a step, and the tables
@@ -131,3 +134,10 @@ def test_fused_triton_runs_the_triton_kernel(results):
     # parity alone would not show which kernel ran: explain names it (fbgemm's is the unnamed default)
     assert "triton kernel" in results["dlrm:rowwise_adagrad:triton"]["explain"]
     assert "triton kernel" not in results["dlrm:rowwise_adagrad"]["explain"]
+
+
+@pytest.mark.parametrize("case", AC)
+def test_checkpointed_dense_part_is_recomputed(results, case):
+    # parity is checked above; here, that the checkpointing was compiled as recomputation
+    assert results[case]["recomputed_ops"] > 0, results[case]["explain"]
+    assert "activation checkpointing:" in results[case]["explain"]

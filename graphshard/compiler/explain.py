@@ -126,6 +126,8 @@ def explain(model) -> str:
         raise ValueError(f"{type(model).__name__} was not sharded by graphshard; call graphshard.compile first")
     parts = (["plan notes:"] + [f"  {n}" for n in state.plan.notes] if state.plan.notes else [])
     parts += [p.format() for p in state.preamble]
+    if state.checkpointing:
+        parts += ["activation checkpointing (plan):"] + [f"  {line}" for line in state.checkpointing]
     if not state.explain:
         parts.append("graphshard: no graph compiled yet; run a step first")
     else:

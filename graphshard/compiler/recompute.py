@@ -75,7 +75,8 @@ def without_checkpointing(joint: fx.GraphModule) -> fx.GraphModule:
 
 
 def saved_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
-    """Bytes the forward graph saves for the backward: its outputs after the user's."""
+    """Bytes the forward graph saves for the backward (its outputs after the user's), counting
+    the tensors whose sizes are known when compiling (a lookup's rows depend on the batch's ids)."""
     out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     return sum(_nbytes(v) for v in out.args[0][num_fwd_outputs:])
 
@@ -85,10 +86,9 @@ def _nbytes(node) -> int:
     if not isinstance(v, torch.Tensor):
         return 0
     try:
-        return int(math.prod(v.shape)) * v.dtype.itemsize
-    except (TypeError, RuntimeError):  # a symbolic size: its hint
-        from torch.fx.experimental.symbolic_shapes import hint_int
-        return int(math.prod(hint_int(s, fallback=1) for s in v.shape)) * v.dtype.itemsize
+        return int(math.prod(int(s) for s in v.shape)) * v.dtype.itemsize
+    except (TypeError, RuntimeError, ValueError):  # a size that depends on the data
+        return 0
 
 
 def summary(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, saved_without: int,

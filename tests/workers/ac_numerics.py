@@ -6,7 +6,8 @@ Each CASE is ``form:layout:lower``:
   ``fn`` (``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` in the model's forward,
   around each block and, nested, around its feed-forward with a keyword argument), ``wrapper``
   (``apply_activation_checkpointing`` with ``checkpoint_wrapper`` on the blocks, before sharding),
-  ``sac`` (the blocks under ``create_selective_checkpoint_contexts`` with a policy that saves
+  ``reentrant`` (``fn`` with ``use_reentrant=True``, the form HF's ``gradient_checkpointing_enable()``
+  uses by default), ``sac`` (the blocks under ``create_selective_checkpoint_contexts`` with a policy that saves
   matmuls), ``plan`` / ``plan_sac`` (``Plan(checkpoint={"layers.*": Checkpoint(...)})``, full or
   selective), ``none`` (no AC);
 - layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``tp`` (tensor parallel,
@@ -78,9 +79,9 @@ class CheckpointedFeedForward(FeedForward):
 class CheckpointedTransformer(Transformer):
     """The transformer as users write AC by hand: each block under checkpoint(), nested ones inside."""
 
-    def __init__(self, cfg, selective: bool = False):
+    def __init__(self, cfg, selective: bool = False, reentrant: bool = False):
         super().__init__(cfg)
-        self.selective = selective
+        self.selective, self.reentrant = selective, reentrant
         if not selective:
             for layer in self.layers:
                 ffn = CheckpointedFeedForward(cfg)
@@ -95,14 +96,14 @@ class CheckpointedTransformer(Transformer):
                 h = checkpoint(layer, h, use_reentrant=False,
                                context_fn=functools.partial(create_selective_checkpoint_contexts, save_matmuls))
             else:
-                h = checkpoint(layer, h, use_reentrant=False)
+                h = checkpoint(layer, h, use_reentrant=self.reentrant)
         return self.output(self.norm(h))
 
 
 def build(form: str) -> nn.Module:
     torch.manual_seed(0)
-    if form in ("fn", "sac"):
-        return CheckpointedTransformer(SMALL, selective=form == "sac")
+    if form in ("fn", "sac", "reentrant"):
+        return CheckpointedTransformer(SMALL, selective=form == "sac", reentrant=form == "reentrant")
     model = Transformer(SMALL)
     if form == "wrapper":
         apply_activation_checkpointing(

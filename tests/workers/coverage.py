@@ -12,7 +12,8 @@ Each CASE is ``arch:strategy:lower`` (``tests/workers/hf_archs.py`` lists the ar
   ``gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})``,
   on the model before sharding and on the single-process reference; the case then also needs
   the compiled backward to recompute (``explain``'s count of recomputed ops); with a further
-  ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises.
+  ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises; with
+  ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint).
 
 Each case trains the model for STEPS steps of SGD with momentum on its rank's slice of
 the global batch and compares the loss per step (averaged over the data-parallel ranks)
@@ -89,7 +90,10 @@ def run_case(case: str) -> dict:
     if "ac" in flags:
         if not ref.supports_gradient_checkpointing:
             return {"case": case, "ok": False, "skipped": f"{type(ref).__name__} has no gradient checkpointing"}
-        ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if "reentrant" in flags:  # HF's default form (torch's reentrant checkpoint)
+            ref.gradient_checkpointing_enable()
+        else:
+            ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if "nocache" in flags:
             ref.config.use_cache = False
     model = copy.deepcopy(ref)

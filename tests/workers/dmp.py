@@ -9,6 +9,7 @@ parity, and a head over each feature's padded sequence: table-wise, row-wise, co
 table beside a column block, data-parallel), seqtwo (two towers holding one
 ``EmbeddingCollection``: table-wise and row-wise tables) or twotower (two towers holding one ``EmbeddingBagCollection`` under two FQNs: table-wise and
 row-wise tables); flag ``fsdp``: graphshard's dense part sharded (``FullyShardDense``; TorchRec's stays DDP);
+flag ``ac``: the dense part (DLRM's dense and over arch) under torch's ``apply_activation_checkpointing``;
 ``optimizer`` the tables' fused optimizer: sgd | adagrad | rowwise_adagrad (from the sharder's
 ``fused_params``), or inbackward_<one of those> (from TorchRec's ``apply_optimizer_in_backward``).
 
@@ -462,6 +463,15 @@ def run(case: str) -> dict:
     from graphshard.model_parallel import DistributedModelParallel as GraphshardDMP
 
     base = build(model)
+    if "ac" in flags:  # activation checkpointing on the dense part, torch's helper (all three runs have it)
+        import functools
+
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+        apply_activation_checkpointing(base, checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: type(m).__name__ in ("DenseArch", "OverArch"))
     init = {k: v.detach().clone() for k, v in base.state_dict().items()}
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     in_backward = optimizer.startswith("inbackward_")
@@ -526,6 +536,7 @@ def run(case: str) -> dict:
         "tables": _table_fqns(model),
         "moved": {k: tensor_err(ref_state[k], init[k]) for k in ref_state if k in init},
         "explain": report,
+        "recomputed_ops": sum(r.recompute.get("ops", 0) for r in gs.module._graphshard.explain),
         "graphs": sum(1 for line in report.splitlines() if line.startswith("graph ")),
         "plans_equal": len(set(plans)) == 1,
         "sharding": {t: ps.sharding_type for mp in gs.plan.plan.values() for t, ps in mp.items()},

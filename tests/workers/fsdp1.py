@@ -14,7 +14,10 @@ other, not with the single process; ``cpuonly`` (``CPUOffload(offload_params=Tru
 ``sync_module_states=True``, no ``device_id``: torch's FSDP1 refuses each on a CPU-only build)
 (and ignored parameters not with ``clip``: the total norm then differs per
 rank, and which elements each rank's coefficient scales depends on the shard layout, torch's
-flat chunks or graphshard's rows).
+flat chunks or graphshard's rows). ``acbefore`` / ``acafter``: torch's
+``apply_activation_checkpointing`` with a non-reentrant ``checkpoint_wrapper`` on the blocks,
+before or after wrapping (the single process checkpoints the same blocks); graphshard's run
+then reports how many forward ops its compiled backward recomputes.
 
 The same user program (`train`) runs three times on one batch stream: with torch's
 ``FullyShardedDataParallel``, with ``graphshard.fsdp.FullyShardedDataParallel`` (only the class
@@ -142,7 +145,11 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     else:
         kwargs["device_id"] = torch.device("cpu")
     classes = {block, torch.nn.Linear} if args["tiedunits"] else {block}  # tiedunits: output its own unit
+    if args["ac"] == "acbefore":
+        checkpoint_blocks(model, block)
     fsdp = FSDP(model, auto_wrap_policy=ModuleWrapPolicy(classes), **kwargs)
+    if args["ac"] == "acafter":
+        checkpoint_blocks(fsdp, block)
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.05, momentum=0.9)
     losses, norms, reductions, synced, dtypes = [], [], [], [], set()
     for step in range(STEPS):
@@ -166,6 +173,11 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
+    if args["ac"] and FSDP.__module__.startswith("graphshard"):
+        from graphshard.storage import state_of
+
+        reports = next(state_of(m) for m in fsdp.modules() if state_of(m) is not None).explain
+        args["recomputed"].append(sum(r.recompute.get("ops", 0) for r in reports))
     buffers = {n: str(b.dtype) for n, b in fsdp.named_buffers()}  # torch casts them at the first forward
     with FSDP.state_dict_type(fsdp, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
         sd = fsdp.state_dict()
@@ -201,7 +213,21 @@ def summon_and_write_back(FSDP, fsdp, sd: dict) -> dict:
     return {"shapes": shapes, "value_err": value_err, "writeback_err": written, "no_writeback_persisted": persisted}
 
 
+def checkpoint_blocks(model, block) -> None:
+    """FSDP1's activation-checkpointing idiom: torch's helper, a non-reentrant wrapper per block."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, block))
+
+
 def reference(model, logits, args: dict):
+    if args["ac"]:
+        checkpoint_blocks(model, args["block"])
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, norms = [], []
     for step in range(STEPS):
@@ -235,6 +261,8 @@ def fsdp_args(strategy: str, prefetch: str, params: str, flags: list[str]) -> di
 
 
 def _diff(a: dict, b: dict) -> float:
+    missing = [k for k in b if k not in a]
+    assert not missing, (missing[:3], list(a))
     return worst(tensor_err(a[k], b[k]) for k in b)
 
 
@@ -250,9 +278,16 @@ def run_case(case: str) -> dict:
             "norm_type": float("inf") if "clipinf" in flags else 2.0,
             "accum": "accum" in flags, "ignore": next((f for f in flags if f.startswith("ignore")), None),
             "bf16": "bf16" in flags, "klp": "klp" in flags, "cpuonly": "cpuonly" in flags, "summon": "summon" in flags,
-            "tiedunits": "tiedunits" in flags}
+            "tiedunits": "tiedunits" in flags, "ac": next((f for f in flags if f in ("acbefore", "acafter")), None),
+            "recomputed": []}
     sl = slice(rank * per_rank, (rank + 1) * per_rank)
     base, block, logits = build(model_name, flags)
+    args["block"] = block
+    if args["ac"] and model_name == "llama":
+        # HF's KV cache grows in the forward and again in the recomputation, so torch's own eager
+        # checkpoint_wrapper fails on it (a 32-long key against a 16-long mask); HF's own switch
+        # turns the cache off (gradient_checkpointing_enable), as AC users must
+        base.config.use_cache = False
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
     out = {"case": case}
     results = {}
@@ -276,6 +311,8 @@ def run_case(case: str) -> dict:
         (out[f"{name}_no_sync_reductions"], out[f"{name}_sync_reductions"], out[f"{name}_dtypes"],
          out[f"{name}_buffer_dtypes"], out[f"{name}_summon"], out[f"{name}_grad_dtypes"]) = reductions
         out[f"{name}_sd_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
+    if args["ac"]:
+        out["graphshard_recomputed_ops"] = args["recomputed"][-1]
     if dump is not None:
         out["graphshard_reduction_dtypes"] = reduction_dtypes(dump)  # MixedPrecision(reduce_dtype=float32)
         shutil.rmtree(dump, ignore_errors=True)

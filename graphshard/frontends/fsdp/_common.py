@@ -10,12 +10,18 @@ from graphshard.sharding import ShardedParam
 
 WRAPPED = "_fsdp_wrapped_module"
 """The attribute a wrapper holds its module under (torch's name, so FQNs match)."""
-_PREFIX = WRAPPED + "."
+
+
+CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
+"""The attribute torch's ``checkpoint_wrapper`` holds its module under; its state dict leaves it out."""
 
 
 def clean_fqn(fqn: str) -> str:
-    """``fqn`` without the wrapper's ``_fsdp_wrapped_module.`` components (the user's FQN)."""
-    return fqn.replace(_PREFIX, "").replace("." + WRAPPED, "").replace(WRAPPED, "")
+    """``fqn`` without the wrappers' ``_fsdp_wrapped_module.`` and ``_checkpoint_wrapped_module.``
+    components (the user's FQN, as torch's FSDP1 and ``checkpoint_wrapper`` name state-dict keys)."""
+    for name in (WRAPPED, CHECKPOINT_WRAPPED):
+        fqn = fqn.replace(name + ".", "").replace("." + name, "").replace(name, "")
+    return fqn
 
 
 def local_of_full(full: torch.Tensor, info: ShardedParam) -> torch.Tensor:

@@ -54,12 +54,12 @@ def _entries(model: nn.Module) -> dict[int, _Entry]:
         for unit in state.flat.values():
             infos = [state.params[s.key] for s in unit.slots]
             in_flat.update(s.key for s in unit.slots)
-            out[id(unit.param)] = _Entry(unit.param, [pre + i.fqn for i in infos], infos, unit.slots)
+            out[id(unit.param)] = _Entry(unit.param, [clean_fqn(pre + i.fqn) for i in infos], infos, unit.slots)
         for key, info in state.params.items():
             if key not in in_flat:
                 owner, _, pname = info.layout.fqns[0].rpartition(".")
                 p = inner.get_submodule(owner)._parameters[pname]
-                out[id(p)] = _Entry(p, [pre + info.fqn], [info])
+                out[id(p)] = _Entry(p, [clean_fqn(pre + info.fqn)], [info])
     for name, p in nn.Module.named_parameters(model):
         entry = out.setdefault(id(p), _Entry(p, [clean_fqn(name)]))
         entry.name = name
@@ -199,8 +199,8 @@ def flatten_optim_state(model: nn.Module, optim, osd: dict | None, *, rank0_only
         for i, fqn in enumerate(e.fqns):
             key_of_fqn[fqn] = key
             if e.infos is not None:  # tied names (output.weight) name the same parameter
-                pre = fqn[: len(fqn) - len(e.infos[i].fqn)]
-                key_of_fqn.update({pre + alias: key for alias in e.infos[i].layout.fqns})
+                pre = fqn[: len(fqn) - len(clean_fqn(e.infos[i].fqn))]
+                key_of_fqn.update({pre + clean_fqn(alias): key for alias in e.infos[i].layout.fqns})
         flat = _flatten_entry(e, states)
         if flat:
             out[key] = flat

@@ -145,7 +145,7 @@ class StateDictMixin:
                     v = DTensor.from_local(v.to_local().cpu(), v.device_mesh, v.placements, run_check=False,
                                            shape=v.shape, stride=v.stride())
             for fqn in info.layout.fqns:
-                values[fqn] = v
+                values[clean_fqn(fqn)] = v
         return values
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -164,7 +164,7 @@ class StateDictMixin:
         buffers = self._unmanaged_by_fqn()
         with torch.no_grad():
             for info in self._graphshard.params.values():
-                fqn = next((f for f in info.layout.fqns if f in state_dict), None)
+                fqn = next((clean_fqn(f) for f in info.layout.fqns if clean_fqn(f) in state_dict), None)
                 if fqn is None:
                     continue
                 value = state_dict[fqn]
