@@ -118,8 +118,11 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._functorch.aot_autograd.make_boxed_func", "backend.py (_compat.boxed_nop: lower='eager')"),
     ("torch._functorch.partitioners.min_cut_rematerialization_partition",
      "backend.py (_compat.min_cut_rematerialization_partition: lower='eager')"),
-    ('torch._functorch.partitioners:"recompute"', "passes/tag_resharding.py (node.meta['recompute'])"),
-    ('torch._functorch.partitioners:"ac_graph_id"', "passes/tag_resharding.py (node.meta['ac_graph_id'])"),
+    ('torch._functorch.partitioners:"recompute"', "passes/tag_recomputation.py (node.meta['recompute'])"),
+    ('torch._functorch.partitioners:"ac_graph_id"', "passes/tag_recomputation.py (node.meta['ac_graph_id'])"),
+    ("torch._ops.HigherOrderOperator", "backend.py (_compat.is_higher_order_op: checkpointed bodies)"),
+    ("torch._higher_order_ops.wrap.tag_activation_checkpoint",
+     "backend.py (the dynamo op of a checkpointed function, traced to tagged ATen ops)"),
     # Inductor
     ("torch._inductor.decomposition.select_decomp_table", "backend.py (_compat.inductor_decompositions)"),
     ("torch._inductor.compile_fx.partition_fn", "backend.py (_compat.inductor_partition_fn)"),

@@ -301,6 +301,11 @@ def fake_local(dtensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     return fake_mode.from_tensor(dtensor._local_tensor).detach().requires_grad_(dtensor.requires_grad)
 
 
+def is_higher_order_op(target) -> bool:
+    """Whether an FX node's target is a higher-order op (``tag_activation_checkpoint``, ``wrap``...)."""
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
 def is_plain_to_local(node: torch.fx.Node) -> bool:
     """Whether ``node`` of a dynamo graph is a DTensor's ``to_local()``. torch 2.13 (CI's) records it as
     ``call_method to_local``; torch 2.11's dynamo (``TensorVariable.method_to_local``)

@@ -195,6 +195,10 @@ class ShardedModel:
     checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 
+    def __repr__(self) -> str:  # short: a backend bound to it (functools.partial) shows it in dynamo's errors
+        return (f"ShardedModel(model_id={self.model_id}, {len(self.params)} parameters, units={list(self.units)}, "
+                f"axes={list(self.axes)}, {len(self.collections)} embedding collections)")
+
     def param_for_fqn(self, fqn: str) -> ShardedParam:
         for p in self.params.values():
             if fqn in p.layout.fqns:

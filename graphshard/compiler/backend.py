@@ -276,7 +276,7 @@ def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node]) -> None:
 def _body_of(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
     """The body of a higher-order op call whose first argument is a ``get_attr`` of a subgraph
     (``tag_activation_checkpoint(body, *args)``); None for any other node."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+    if node.op != "call_function" or not _compat.is_higher_order_op(node.target):
         return None
     first = node.args[0] if node.args else None
     if not isinstance(first, fx.Node) or first.op != "get_attr":

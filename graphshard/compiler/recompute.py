@@ -14,9 +14,8 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.utils.checkpoint import CheckpointPolicy
 
-_RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
+from graphshard.passes.tag_recomputation import RECOMPUTED
 
 
 def _from_checkpointing(node: fx.Node) -> bool:
@@ -96,7 +95,7 @@ def summary(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, saved_
     """What ``explain`` prints: per region, the forward ops the backward recomputes; the saved bytes."""
     per_region: dict[int, collections.Counter] = {r: collections.Counter() for r in labels}
     for node in bw.graph.nodes:
-        if node.op == "call_function" and _from_checkpointing(node) and node.meta.get("recompute") in _RECOMPUTED:
+        if node.op == "call_function" and _from_checkpointing(node) and node.meta.get("recompute") in RECOMPUTED:
             per_region.setdefault(node.meta.get("ac_graph_id"), collections.Counter())[_op_name(node)] += 1
     return {
         "regions": len(labels),
