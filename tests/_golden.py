@@ -84,6 +84,7 @@ def _strip_dump(text: str, plan) -> str:
 
     from graphshard.passes._graph import _drop_noise
 
+    text = text.split("\n# recompute tags")[0]  # the dump's listing of the partitioner's tags (the graph shows them)
     text = _drop_noise("\n".join(l for l in text.splitlines() if not l.startswith("# op-count diff")))
     text = re.sub(r"'m\d+/", "'", text)
     for axis in plan.mesh.mesh_dim_names:

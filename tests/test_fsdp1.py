@@ -39,6 +39,7 @@ TWO_RANK = [
     "transformer:full_shard:pre:orig:cpuonly",
     "transformer:full_shard:pre:flat:acbefore",
     "llama:shard_grad_op:post:orig:acafter",
+    "transformer:full_shard:pre:orig:accum:acbefore",
 ]
 CHECKPOINTED = [c for c in TWO_RANK if ":acbefore" in c or ":acafter" in c]
 """torch's ``apply_activation_checkpointing`` (non-reentrant ``checkpoint_wrapper`` on the blocks)

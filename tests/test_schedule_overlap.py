@@ -25,33 +25,33 @@ class TestScheduleOverlap(TestCase):
         self.assertExpectedInline(g["forward"], """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 8]", primals_2: "f32[4, 8]", primals_3: "f32[2, 8]", primals_4: "f32[2, 8]"):
-        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 0 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 1 - MUST_RECOMPUTE
         pack: "f32[16]" = torch.ops.graphshard.pack.default([primals_1], [16], torch.float32)
         all_gather_into_tensor: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack, 4, 'dp');  pack = None
         wait_tensor: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor);  all_gather_into_tensor = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         pack_1: "f32[16]" = torch.ops.graphshard.pack.default([primals_3], [16], torch.float32)
         all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 4, 'dp');  pack_1 = None
-        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 0 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 1 - MUST_RECOMPUTE
         unpack = torch.ops.graphshard.unpack.default(wait_tensor, 4, [16]);  wait_tensor = None
         getitem: "f32[64]" = unpack[0];  unpack = None
         view: "f32[8, 8]" = torch.ops.aten.view.default(getitem, [8, 8]);  getitem = None
         t: "f32[8, 8]" = torch.ops.aten.t.default(view);  view = None
         mm: "f32[4, 8]" = torch.ops.aten.mm.default(primals_2, t);  t = None
         relu: "f32[4, 8]" = torch.ops.aten.relu.default(mm);  mm = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         wait_tensor_1: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         pack_2: "f32[16]" = torch.ops.graphshard.pack.default([primals_4], [16], torch.float32)
         all_gather_into_tensor_2: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_2, 4, 'dp');  pack_2 = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         unpack_1 = torch.ops.graphshard.unpack.default(wait_tensor_1, 4, [16]);  wait_tensor_1 = None
         getitem_1: "f32[64]" = unpack_1[0];  unpack_1 = None
         view_1: "f32[8, 8]" = torch.ops.aten.view.default(getitem_1, [8, 8]);  getitem_1 = None
         t_1: "f32[8, 8]" = torch.ops.aten.t.default(view_1);  view_1 = None
         mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(relu, t_1);  t_1 = None
         relu_1: "f32[4, 8]" = torch.ops.aten.relu.default(mm_1);  mm_1 = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
         unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_tensor_2 = None
         getitem_2: "f32[64]" = unpack_2[0];  unpack_2 = None
@@ -73,15 +73,15 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(g["backward"], """\
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1: "f32[2, 8]", primals_2: "f32[4, 8]", primals_3: "f32[2, 8]", primals_4: "f32[2, 8]", relu: "f32[4, 8]", relu_1: "f32[4, 8]", detach_3: "f32[4, 8]", tangents_1: "f32[4, 8]"):
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         pack_2: "f32[16]" = torch.ops.graphshard.pack.default([primals_4], [16], torch.float32);  primals_4 = None
         all_gather_into_tensor_2: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_2, 4, 'dp');  pack_2 = None
         threshold_backward: "f32[4, 8]" = torch.ops.aten.threshold_backward.default(tangents_1, detach_3, 0);  tangents_1 = detach_3 = None
         t_3: "f32[8, 4]" = torch.ops.aten.t.default(threshold_backward)
         mm_3: "f32[8, 8]" = torch.ops.aten.mm.default(t_3, relu_1);  t_3 = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         wait_tensor_2: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2);  all_gather_into_tensor_2 = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         pack_1: "f32[16]" = torch.ops.graphshard.pack.default([primals_3], [16], torch.float32);  primals_3 = None
         all_gather_into_tensor_1: "f32[64]" = torch.ops._c10d_functional.all_gather_into_tensor.default(pack_1, 4, 'dp');  pack_1 = None
         t_4: "f32[8, 8]" = torch.ops.aten.t.default(mm_3);  mm_3 = None
@@ -90,7 +90,7 @@ class GraphModule(torch.nn.Module):
         pack_grads: "f32[64]" = torch.ops.graphshard.pack_grads.default([t_6], 4, [16], torch.float32);  t_6 = None
         # Annotation: {'graphshard_unit': 'layers.2'} recompute: MUST_SAVE
         reduce_scatter_tensor: "f32[16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(pack_grads, 'avg', 4, 'dp');  pack_grads = None
-        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 2 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.2'} ac_graph_id: 3 - MUST_RECOMPUTE
         unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_tensor_2 = None
         getitem_2: "f32[64]" = unpack_2[0];  unpack_2 = None
         view_2: "f32[8, 8]" = torch.ops.aten.view.default(getitem_2, [8, 8]);  getitem_2 = None
@@ -114,7 +114,7 @@ class GraphModule(torch.nn.Module):
         unpack_reduced = torch.ops.graphshard.unpack_reduced.default(wait_tensor_3, 1, [16], [16]);  wait_tensor_3 = None
         getitem_3: "f32[16]" = unpack_reduced[0];  unpack_reduced = None
         view_3: "f32[2, 8]" = torch.ops.aten.view.default(getitem_3, [2, 8]);  getitem_3 = None
-        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 1 - MUST_RECOMPUTE
+        # Annotation: {'graphshard_unit': 'layers.1'} ac_graph_id: 2 - MUST_RECOMPUTE
         wait_tensor_1: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1);  all_gather_into_tensor_1 = None
         unpack_1 = torch.ops.graphshard.unpack.default(wait_tensor_1, 4, [16]);  wait_tensor_1 = None
         getitem_1: "f32[64]" = unpack_1[0];  unpack_1 = None

@@ -10,8 +10,9 @@ Each CASE is ``form:layout:lower``:
   uses by default), ``sac`` (the blocks under ``create_selective_checkpoint_contexts`` with a policy that saves
   matmuls), ``plan`` / ``plan_sac`` (``Plan(checkpoint={"layers.*": Checkpoint(...)})``, full or
   selective), ``none`` (no AC);
-- layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``tp`` (tensor parallel,
-  1-D "tp"), ``fsdp_tp`` (2x2 mesh: FullyShard on "dp", tensor parallel on "tp"; 4 ranks);
+- layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``hybrid`` (HSDP: a 2x2
+  "replicate" x "shard" mesh; 4 ranks), ``tp`` (tensor parallel, 1-D "tp"), ``fsdp_tp`` (2x2 mesh:
+  FullyShard on "dp", tensor parallel on "tp"; 4 ranks);
 - lower: ``inductor`` or ``eager``.
 
 Every case trains the tied-embedding transformer for 4 steps of SGD with momentum on each rank's
@@ -130,6 +131,10 @@ def plan_for(layout: str, form: str, world: int):
             "plan_sac": {"layers.*": graphshard.Checkpoint(mode="selective")}}.get(form)
     units = {"full_shard": graphshard.FullyShard(), "shard_grad_op": graphshard.FullyShard(reshard_after_forward=False),
              "replicate": graphshard.Replicate()}
+    if layout == "hybrid":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        rules = {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()}
+        return graphshard.Plan(mesh, rules, checkpoint=ckpt), world, dist.get_rank()
     if layout in units:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
         return graphshard.Plan(mesh, {"layers.*": units[layout], "": units[layout]}, checkpoint=ckpt), world, mesh.get_local_rank("dp")
