@@ -301,6 +301,11 @@ def fake_local(dtensor, fake_mode: FakeTensorMode) -> torch.Tensor:
     return fake_mode.from_tensor(dtensor._local_tensor).detach().requires_grad_(dtensor.requires_grad)
 
 
+def is_op(value) -> bool:
+    """Whether ``value`` is a torch op, an overload (``aten.mm.default``) or a packet (``aten.mm``)."""
+    return isinstance(value, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
 def is_higher_order_op(target) -> bool:
     """Whether an FX node's target is a higher-order op (``tag_activation_checkpoint``, ``wrap``...)."""
     return isinstance(target, torch._ops.HigherOrderOperator)

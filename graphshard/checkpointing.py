@@ -18,6 +18,8 @@ from typing import Callable, Literal
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from graphshard import _compat
+
 aten = torch.ops.aten
 
 
@@ -55,6 +57,12 @@ class Checkpoint:
             raise ValueError(f"Checkpoint(mode={self.mode!r}): expected 'full' or 'selective'")
         if self.mode == "full" and self.policy is not None:
             raise ValueError("Checkpoint(policy=...) is a selective policy: pass mode='selective' with it")
+        if self.save != MATMULS_AND_ATTENTION and (self.mode == "full" or self.policy is not None):
+            raise ValueError("Checkpoint(save=...) names what selective checkpointing saves: pass mode='selective' "
+                             "with it, and no policy (a policy decides for itself)")
+        if not isinstance(self.save, tuple) or not all(map(_compat.is_op, self.save)):
+            raise ValueError(f"Checkpoint(save={self.save!r}): expected a tuple of ATen ops, e.g. "
+                             "(torch.ops.aten.mm, torch.ops.aten.addmm.default)")
         if self.mode == "selective" and self.policy is None and not self.save:
             raise ValueError("Checkpoint(mode='selective', save=()) saves nothing, which is full checkpointing: "
                              "use Checkpoint() (mode='full'), or name the ops to save")

@@ -10,7 +10,6 @@ module, tied weights) is one object, sharded once, and every FQN points at it.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import threading

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import torch
@@ -54,8 +55,6 @@ def fmt_placements(pl) -> str:
 
 def _drop_noise(text: str) -> str:
     """Drops blank lines, file/line comments and "No stacktrace" notes from printed graphs."""
-    import re
-
     lines = []
     for line in text.splitlines():
         line = line.replace(" No stacktrace found for following nodes", "")
@@ -68,8 +67,6 @@ def _drop_noise(text: str) -> str:
 
 def normalized_graph(gm: fx.GraphModule, replacements: dict[str, str] | None = None) -> str:
     """``print_readable`` without strides, devices or file comments: stable text for golden tests."""
-    import re
-
     text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
     text = _drop_noise(text)
     text = re.sub(r"'m\d+/", "'", text)

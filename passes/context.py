@@ -20,6 +20,10 @@ log = logging.getLogger("graphshard.passes")
 
 Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 
+TRACED = "graphshard_traced"
+"""``node.meta`` key the backend sets on every node of the trace to ATen (the user's program):
+nodes without it were inserted by passes (``tag_recomputation`` joins only those to regions)."""
+
 
 @dataclass
 class PassContext:

@@ -107,7 +107,7 @@ def _unsupported(node: fx.Node, handler) -> str | None:
 
 
 def _fallback(node: fx.Node, why: str, ctx: PassContext) -> None:
-    if ctx.config.strict:
+    if ctx.config.strict and ctx.model_parallel:  # (data-parallel alone: recomputed ops, saved below, are right)
         raise NotImplementedError(
             f"random op {node.target} at node {node.name!r} has {why}: it would draw from each rank's own "
             f"generator, so values replicated over {list(ctx.model_parallel)} could differ between ranks; "

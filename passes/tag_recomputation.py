@@ -11,10 +11,12 @@ numbers regions from a process-wide counter; the partitioner compares the number
 region recomputes and a later region reads is saved, the boundary between two checkpointed
 blocks), so this pass renumbers them 1, 2, ... in program order. Nodes the passes inserted
 inside a region (a tensor-parallel all-reduce, a local view, a keyed random draw) were not
-traced there and carry no tag: a node whose every user is in region r, and which reads no other
-region, joins r. A collective joins as recomputed under full AC (the forward re-runs, as eager
-AC re-runs it) and as saved under selective AC (torchtitan's selective policy saves what
-collectives produce: their outputs cost memory, their recomputation costs communication).
+traced there and carry no tag: such a node (one without the trace's mark, `context.TRACED`) whose
+every user is in region r, and which reads no other region, joins r. The user's own code outside
+a region never joins one, though it feed one. A collective joins as recomputed under full AC (the
+forward re-runs, as eager AC re-runs it) and as saved under selective AC (torchtitan's selective
+policy saves what collectives produce: their outputs cost memory, their recomputation costs
+communication).
 
 Reshard after forward. FULL_SHARD units (``reshard_after_forward=True``) free their gathered
 parameters after forward and gather them again in backward: their ``unshard`` nodes are
@@ -34,16 +36,17 @@ from __future__ import annotations
 
 import operator
 
-import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from graphshard.ops import ops
 from graphshard.passes.bucket_collectives import unshard_units
-from graphshard.passes.context import PassContext
+from graphshard.passes.context import TRACED, PassContext
 
 RECOMPUTED = (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE)
-_COLLECTIVE_NAMESPACES = ("graphshard", "_c10d_functional")
+_COLLECTIVES = frozenset(op.default for op in (ops.all_reduce, ops.all_gather, ops.reduce_scatter, ops.all_reduce_max,
+                                                ops.all_gather_partial_grad, ops.all_to_all))
+"""The forward collectives passes insert (``grad_all_reduce`` communicates in the backward only)."""
 
 
 def tag_recomputation(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -85,7 +88,8 @@ def _join_inserted(gm: fx.GraphModule, gathered: set[fx.Node], selective: set[in
     """Untagged nodes whose every user is in one region, reading no other region, join it. Users
     come after their producers, so one walk from the output back settles chains of such nodes."""
     for node in reversed(gm.graph.nodes):
-        if node.op != "call_function" or node in gathered or "recompute" in node.meta or not node.users:
+        if (node.op != "call_function" or node in gathered or "recompute" in node.meta or not node.users
+                or node.meta.get(TRACED)):
             continue
         users = {u.meta.get("ac_graph_id") if "recompute" in u.meta and u not in gathered else None for u in node.users}
         if len(users) != 1 or None in users:
@@ -94,8 +98,7 @@ def _join_inserted(gm: fx.GraphModule, gathered: set[fx.Node], selective: set[in
         if any("recompute" in a.meta and a not in gathered and a.meta.get("ac_graph_id") != region
                for a in node.all_input_nodes):
             continue
-        collective = getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES or (
-            node.target is operator.getitem and getattr(node.args[0].target, "namespace", None) in _COLLECTIVE_NAMESPACES)
+        collective = node.target in _COLLECTIVES or (node.target is operator.getitem and node.args[0].target in _COLLECTIVES)
         save = collective and region in selective
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
         node.meta["ac_graph_id"] = region
@@ -104,8 +107,12 @@ def _join_inserted(gm: fx.GraphModule, gathered: set[fx.Node], selective: set[in
 def _tag_unshards(gm: fx.GraphModule, ctx: PassContext, regions: int) -> None:
     for index, (unit, nodes) in enumerate(unshard_units(gm, ctx).items()):
         info = ctx.params[nodes[0].args[1][0]]
-        if info.shard is None:
-            continue  # replicated units gather nothing
+        if info.shard is None:  # replicated units gather nothing: no tag (a marker's, copied, would be stale)
+            for node in nodes:
+                for tagged in (node, *node.users):
+                    tagged.meta.pop("recompute", None)
+                    tagged.meta.pop("ac_graph_id", None)
+            continue
         policy = CheckpointPolicy.MUST_RECOMPUTE if info.reshard_after_forward else CheckpointPolicy.MUST_SAVE
         for node in nodes:
             readers = [r for item in node.users for r in _readers(item)]

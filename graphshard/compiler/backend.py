@@ -42,6 +42,7 @@ from graphshard.ops.dense import compiling, decompositions
 from graphshard.ops.rng import KeyStream
 from graphshard.ops.sparse import lookup_args
 from graphshard.params import resolve
+from graphshard.passes.context import TRACED
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
 from graphshard.sharding import ShardedModel, model_for_key
 
@@ -248,9 +249,9 @@ def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
     return positions
 
 
-def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node]) -> None:
+def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node], in_body: bool = False) -> None:
     """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``) by the node itself,
-    following them into the bodies of the higher-order ops they are passed to."""
+    following them into the bodies of the checkpointed calls they are passed to."""
     bodies: dict[str, set[int]] = {}  # body attribute -> positions of its inputs that are DTensors
     for ph in dtensors:
         for user in list(ph.users):
@@ -261,28 +262,37 @@ def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node]) -> None:
             body = _body_of(gm, user)
             if body is None or ph in user.kwargs.values():
                 raise NotImplementedError(
-                    f"graph input {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
-                    "graphshard compiles parameters read through the module attribute; read it as module.<name>"
+                    f"{'input of a checkpointed body' if in_body else 'graph input'} {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
+                    "graphshard compiles parameters read through the module attribute (read it as module.<name>), "
+                    "and follows them into activation-checkpointed functions (torch.utils.checkpoint), not into "
+                    "other higher-order ops"
                 )
             bodies.setdefault(user.args[0].target, set()).update(
                 i for i, a in enumerate(user.args[1:]) if a is ph)
     for name, dtensor_positions in bodies.items():
         body = getattr(gm, name)
         inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-        _strip_to_local(body, [inputs[i] for i in sorted(dtensor_positions)])
+        _strip_to_local(body, [inputs[i] for i in sorted(dtensor_positions)], in_body=True)
     gm.recompile()
 
 
+_BODY_OPS = ("tag_activation_checkpoint", "wrap")
+"""Higher-order ops called as ``op(body, *inputs)``: the body's inputs are the call's operands."""
+
+
 def _body_of(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The body of a higher-order op call whose first argument is a ``get_attr`` of a subgraph
-    (``tag_activation_checkpoint(body, *args)``); None for any other node."""
+    """The body of a checkpointed call (``tag_activation_checkpoint(body, *inputs)``, or dynamo's
+    plain ``wrap``) whose inputs are the call's operands one for one; None for any other node."""
     if node.op != "call_function" or not _compat.is_higher_order_op(node.target):
         return None
-    first = node.args[0] if node.args else None
-    if not isinstance(first, fx.Node) or first.op != "get_attr":
+    if getattr(node.target, "__name__", None) not in _BODY_OPS or not node.args:
         return None
-    body = getattr(gm, first.target, None)
-    return body if isinstance(body, fx.GraphModule) else None
+    first = node.args[0]
+    body = getattr(gm, first.target, None) if isinstance(first, fx.Node) and first.op == "get_attr" else None
+    if not isinstance(body, fx.GraphModule):
+        return None
+    inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+    return body if len(inputs) == len(node.args) - 1 else None
 
 
 def _fake_local(x, fake_mode):
@@ -306,6 +316,8 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
     for node in reversed(traced.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
             traced.graph.erase_node(node)
+        else:
+            node.meta[TRACED] = True
     traced.recompile()
     return traced
 
@@ -341,10 +353,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
         if regions:
-            start = time.perf_counter()
-            saved_without = recompute.saved_bytes(base(untagged, joint_inputs, **kwargs)[0], kwargs["num_fwd_outputs"])
-            ctx.report.recompute = recompute.summary(fw, bw, kwargs["num_fwd_outputs"], saved_without, regions)
-            ctx.report.compile_seconds["ac_accounting"] = time.perf_counter() - start
+            ctx.report.recompute = _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx)
         ctx.stage = "forward"
         fw = run_passes(fw, ctx, post_partition_passes())
         ctx.stage = "backward"
@@ -399,6 +408,22 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         partition_fn=partition,
         decompositions=decomps,
     )
+
+
+def _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx: PassContext) -> dict:
+    """``explain``'s account of activation checkpointing: what the backward recomputes and the bytes
+    saved for it, with and without (the joint graph partitioned once more without the AC tags). An
+    account that fails is logged and left out; the compile goes on."""
+    start = time.perf_counter()
+    try:
+        saved_without = recompute.saved_bytes(base(untagged, joint_inputs, **kwargs)[0], kwargs["num_fwd_outputs"])
+        summary = recompute.summary(fw, bw, kwargs["num_fwd_outputs"], saved_without, regions)
+    except Exception as e:  # noqa: BLE001 - an account for explain must not fail the compile
+        log.warning("graphshard: no activation-checkpointing account for explain (%s: %s)", type(e).__name__, e)
+        ctx.report.notes.append(f"activation checkpointing: no account of saved bytes ({type(e).__name__})")
+        return {}
+    ctx.report.compile_seconds["ac_accounting"] = time.perf_counter() - start
+    return summary
 
 
 def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, lower):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import math
+import re
 
 import torch
 import torch.fx as fx
@@ -42,8 +43,6 @@ def _module_of(node: fx.Node) -> str | None:
 
 def _fqn(path: str) -> str:
     """dynamo's module path (``L['self'].layers[0].attn``, ``L['self']._modules['layers']``) as an FQN."""
-    import re
-
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", "." + path).lstrip(".")
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")

@@ -178,7 +178,8 @@ def recompute_report(model) -> dict:
             "saved_bytes": sum(r.recompute.get("saved_bytes", 0) for r in reports),
             "saved_bytes_without_ac": sum(r.recompute.get("saved_bytes_without_ac", 0) for r in reports),
             "regions": sum(r.recompute.get("regions", 0) for r in reports),
-            "graphs": len(reports), "fallbacks": sorted({f for r in reports for f in r.fallbacks})}
+            "graphs": len(reports), "fallbacks": sorted({f for r in reports for f in r.fallbacks}),
+            "notes": sorted({n for r in reports for n in r.notes})}
 
 
 def run_case(case: str) -> dict:
