@@ -121,6 +121,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ('torch._functorch.partitioners:"recompute"', "passes/tag_recomputation.py (node.meta['recompute'])"),
     ('torch._functorch.partitioners:"ac_graph_id"', "passes/tag_recomputation.py (node.meta['ac_graph_id'])"),
     ("torch._ops.HigherOrderOperator", "backend.py (_compat.is_higher_order_op: checkpointed bodies)"),
+    ("torch._ops.OpOverloadPacket", "checkpointing.py (_compat.is_op: Checkpoint(save=...) validated)"),
     ("torch._higher_order_ops.wrap.tag_activation_checkpoint",
      "backend.py (the dynamo op of a checkpointed function, traced to tagged ATen ops)"),
     # Inductor
