@@ -3,7 +3,7 @@
 Two halves, used by different processes:
 
 * Worker side (inside a ``torchrun`` process): `init_dist`, `time_steps`,
-  `peak_live_bytes`, `live_tensor_bytes`, `peak_rss_mib`, `dynamo_counts`,
+  `peak_live_bytes`, `step_memory`, `mark_region`, `live_tensor_bytes`, `peak_rss_mib`, `dynamo_counts`,
   `count_collectives`, `gather_to_rank0`, `progress`.
 * Driver side (the plain ``python`` process that launches one ``torchrun`` per
   run, see ``_launch.py``): `median`, `paired_ratio`, `markdown_table`, `fmt`,
@@ -19,6 +19,7 @@ them into a progress bar) and rank 0 writes one JSON object to ``--out``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -187,13 +188,36 @@ def live_tensor_bytes(device_type: str = "cpu") -> int:
     return sum(seen.values())
 
 
-def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> tuple[int, int]:
+MARK_PREFIX = "gsbench:"
+"""Name prefix of the profiler ranges `mark_region` opens."""
+
+_CUDA_MARKS: dict[str, int] = {}
+"""GPU: ``torch.cuda.memory_allocated`` at the end of each `mark_region`, the latest call of each name."""
+
+
+@contextlib.contextmanager
+def mark_region(name: str, device=None):
+    """Names a region of a training step (the forward, say) so that `step_memory` can report
+    the live bytes at its end. On the CPU it is a profiler range (``record_function``, a few
+    microseconds when no profiler runs), whose end time places it among the allocation events;
+    on a GPU the allocator's ``memory_allocated`` is read when it ends."""
+    import torch
+
+    with torch.profiler.record_function(MARK_PREFIX + name):
+        yield
+    if device is not None and getattr(device, "type", None) == "cuda":
+        _CUDA_MARKS[name] = torch.cuda.memory_allocated(device)
+
+
+def _cpu_profiled_peak_delta(fn: Callable[[], Any], marks: Sequence[str] = ()) -> tuple[int, int, dict[str, int]]:
     """Peak of net CPU allocations made while running ``fn`` (bytes above its start).
 
     Uses the profiler's memory events (``profile_memory=True``): every
     allocation and free through c10's CPU allocator on a thread the profiler
     sees, including those made by Inductor-generated code, which a
-    TorchDispatchMode would not see. Returns ``(peak, unseen_free_bytes)``.
+    TorchDispatchMode would not see. Returns ``(peak, unseen_free_bytes, at_marks)``:
+    ``at_marks[name]`` is the net allocation (the same running sum) at the end of the
+    last `mark_region` ``name`` that ``fn`` ran (absent if it ran none).
 
     Frees the profiler does not see: frees of blocks allocated before ``fn``
     started, and frees made on a thread outside the profiler's thread-local
@@ -214,16 +238,27 @@ def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> tuple[int, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = []
+    mark_end: dict[str, int] = {}
+    wanted = {MARK_PREFIX + m: m for m in marks}
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         stack.extend(e.children)
         if e.typed[0] == _EventType.Allocation and e.typed[1].device.type == "cpu":
             events.append((e.start_time_ns, e.typed[1].ptr, e.typed[1].alloc_size))
-    events.sort(key=lambda x: x[0])
+        elif e.name in wanted:
+            m = wanted[e.name]
+            mark_end[m] = max(mark_end.get(m, 0), e.end_time_ns)
+    # A mark's reading is taken after every allocation event up to its end time.
+    events.extend((t, None, m) for m, t in mark_end.items())
+    events.sort(key=lambda x: (x[0], x[1] is None))
     live: dict[int, int] = {}
+    at_marks: dict[str, int] = {}
     cur = peak = unseen = 0
     for _, ptr, nbytes in events:
+        if ptr is None:  # a mark's end
+            at_marks[nbytes] = cur
+            continue
         if nbytes > 0:
             if ptr in live:  # the block that had this address was freed where the profiler did not look
                 freed = live.pop(ptr)
@@ -234,19 +269,23 @@ def _cpu_profiled_peak_delta(fn: Callable[[], Any]) -> tuple[int, int]:
             live.pop(ptr, None)
         cur += nbytes
         peak = max(peak, cur)
-    return peak, unseen
+    return peak, unseen, at_marks
 
 
-def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, int, str]:
-    """Peak live tensor bytes during one call of ``fn`` (one training step).
+def step_memory(ctx: DistCtx, fn: Callable[[], Any], marks: Sequence[str] = ()) -> dict[str, Any]:
+    """Live tensor memory of one call of ``fn`` (one training step), in bytes.
 
-    Returns ``(peak, resident, unseen_free, method)``: ``resident`` is what is
-    live at the step boundary (parameters, optimizer state, any persistent
-    buffers); ``unseen_free`` is the CPU measurement's correction for frees the
-    profiler did not see (0 on GPU).
+    ``resident``: live at the step boundary, right before ``fn`` (after the previous step's
+    ``opt.step()`` and ``zero_grad``): parameters, optimizer state, persistent buffers.
+    ``peak``: the most live at any point during the step. ``above_resident`` = ``peak -
+    resident``: what the step itself holds at its peak (activations saved for the backward,
+    gathered parameters, gradients, temporaries); the activation figure. ``at_marks[name]``:
+    live bytes above ``resident`` at the end of each `mark_region` ``name`` the step ran (at the
+    end of the forward: what the forward leaves for the backward). ``unseen_free``: the CPU
+    measurement's correction for frees the profiler did not see (0 on GPU).
 
     * GPU: ``torch.cuda.max_memory_allocated`` after a peak reset (the caching
-      allocator's live bytes, not its reserved pool).
+      allocator's live bytes, not its reserved pool); marks read ``memory_allocated``.
     * CPU: ``live_tensor_bytes`` at the step boundary plus the peak of the
       step's net allocations from the profiler (`_cpu_profiled_peak_delta`).
     """
@@ -256,12 +295,30 @@ def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, int,
         sync(ctx.device)
         resident = torch.cuda.memory_allocated(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        _CUDA_MARKS.clear()
         fn()
         sync(ctx.device)
-        return torch.cuda.max_memory_allocated(ctx.device), resident, 0, "cuda.max_memory_allocated"
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        at = {m: _CUDA_MARKS[m] - resident for m in marks if m in _CUDA_MARKS}
+        return {"peak": peak, "resident": resident, "above_resident": peak - resident, "unseen_free": 0,
+                "at_marks": at, "method": "cuda.max_memory_allocated"}
     resident = live_tensor_bytes("cpu")
-    delta, unseen = _cpu_profiled_peak_delta(fn)
-    return resident + delta, resident, unseen, "gc-live-storages+profiler-cpu-alloc"
+    delta, unseen, at = _cpu_profiled_peak_delta(fn, marks)
+    return {"peak": resident + delta, "resident": resident, "above_resident": delta, "unseen_free": unseen,
+            "at_marks": at, "method": "gc-live-storages+profiler-cpu-alloc"}
+
+
+def peak_live_bytes(ctx: DistCtx, fn: Callable[[], Any]) -> tuple[int, int, int, str]:
+    """Peak live tensor bytes during one call of ``fn`` (one training step).
+
+    Returns ``(peak, resident, unseen_free, method)``: ``resident`` is what is
+    live at the step boundary (parameters, optimizer state, any persistent
+    buffers); ``unseen_free`` is the CPU measurement's correction for frees the
+    profiler did not see (0 on GPU). See `step_memory`, which also gives the
+    live bytes at the end of marked regions.
+    """
+    m = step_memory(ctx, fn)
+    return m["peak"], m["resident"], m["unseen_free"], m["method"]
 
 
 def peak_rss_mib() -> float:

@@ -23,6 +23,13 @@ Variants (see `VARIANTS`):
 * ``graphshard_auto``       ``graphshard.compile`` with ``graphshard.auto_plan``'s plan (``--auto-budget-mib``).
 * ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
 
+Activation checkpointing (``--ac full|selective``) is applied to the model's blocks before any
+variant shards or compiles it, the same way for every variant (`apply_ac`): torch's
+``apply_activation_checkpointing`` with a non-reentrant ``checkpoint_wrapper`` on every `Block`
+(``selective``: a policy that saves the outputs of the matmuls and recomputes the rest). Each
+``layers[i]`` is then the ``CheckpointWrapper``, which is what ``fully_shard``, ``block.compile()``
+and graphshard's ``"layers.*"`` rule get (torchtitan's order: AC, compile, fully_shard).
+
 A variant that cannot be built here (graphshard without ``compile``) raises
 `Unavailable`; the run then reports ``status: unavailable`` and exits cleanly.
 """
@@ -30,6 +37,7 @@ A variant that cannot be built here (graphshard without ``compile``) raises
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -48,6 +56,52 @@ StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 
+AC_MODES = ("none", "full", "selective")
+
+SELECTIVE_SAVE = ("mm", "addmm", "bmm")
+"""``--ac selective`` saves the outputs of these ATen ops and recomputes every other op
+(torchtitan's "op" mode; on this model the same ops as ``graphshard.checkpointing.MATMULS_AND_ATTENTION``
+finds: it has no attention kernel or ``baddbmm``)."""
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {getattr(aten, n) for n in SELECTIVE_SAVE}
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: torch.nn.Module, mode: str) -> None:
+    """Activation checkpointing of every `Block` with torch's own wrapper (non-reentrant),
+    before any variant shards or compiles the model: ``full`` recomputes the whole block in the
+    backward, ``selective`` saves what `SELECTIVE_SAVE` names and recomputes the rest."""
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kw = {}
+    if mode == "selective":
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                                       **kw),
+        check_fn=lambda m: isinstance(m, Block))
+    wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
+    if wrapped != len(model.layers):
+        raise RuntimeError(f"--ac {mode}: {wrapped} CheckpointWrappers for {len(model.layers)} blocks")
+
+
+FORWARD_MARK = "forward"
+"""`_common.mark_region` name of a step's forward + loss: the live bytes at its end are what the
+forward leaves for the backward."""
+
+DEVICE = [None]
+"""The run's device (for `_common.mark_region` on GPU)."""
+
 OPT_TIMES: list[float] = []
 """Seconds of each ``opt.step()`` + ``zero_grad`` (the optimizer's share of a step)."""
 
@@ -57,7 +111,8 @@ def _make_step(module: Callable, params, lr: float) -> StepFn:
     opt = torch.optim.AdamW(params, lr=lr)
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = lm_loss(module(tokens), targets)
+        with C.mark_region(FORWARD_MARK, DEVICE[0]):
+            loss = lm_loss(module(tokens), targets)
         loss.backward()
         t0 = time.perf_counter()
         opt.step()
@@ -209,6 +264,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-world", type=int, default=None,
                    help="world size the global batch is cut for (default: this run's); a world-1 floor "
                         "run passes the nominal world so rank 0 sees the same sequences")
+    p.add_argument("--ac", choices=AC_MODES, default="none",
+                   help="activation checkpointing of every block (torch's checkpoint_wrapper, non-reentrant), "
+                        "applied before the variant shards/compiles the model; selective saves matmul outputs")
     p.add_argument("--auto-budget-mib", type=float, default=None,
                    help="graphshard_auto: memory budget per rank for auto_plan (default: no limit)")
     p.add_argument("--out", required=True, help="JSON result path (written by rank 0)")
@@ -229,6 +287,8 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
                             max_seq_len=args.seq)
     torch.manual_seed(args.seed)
     model = Transformer(cfg).to(ctx.device)
+    DEVICE[0] = ctx.device
+    apply_ac(model, args.ac)
     AUTO.update(batch=batch(0)[0], budget=int(args.auto_budget_mib * 2**20) if args.auto_budget_mib else 2**62)
     step_fn = VARIANTS[args.variant](model, mesh, args.lr)
     C.barrier(ctx)
@@ -236,13 +296,15 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
 
     first_s, times, losses, cpu_s = C.time_steps(ctx, lambda i: step_fn(*batch(i)), args.warmup, args.steps)
     mem_step = 1 + args.warmup + args.steps
-    peak, resident, unseen_free, mem_method = C.peak_live_bytes(ctx, lambda: step_fn(*batch(mem_step)))
+    mem = C.step_memory(ctx, lambda: step_fn(*batch(mem_step)), marks=(FORWARD_MARK,))
+    peak, resident, unseen_free, mem_method = mem["peak"], mem["resident"], mem["unseen_free"], mem["method"]
 
     mine = {
         "rank": ctx.rank, "setup_s": setup_s, "first_step_s": first_s, "step_times_s": times, "cpu_s": cpu_s,
         "opt_s": statistics.median(OPT_TIMES[-args.steps - 1:]) if OPT_TIMES else None,
         "losses": losses, "peak_live_bytes": peak, "resident_bytes": resident,
-        "unseen_free_bytes": unseen_free,
+        "unseen_free_bytes": unseen_free, "activation_bytes": mem["above_resident"],
+        "fwd_saved_bytes": mem["at_marks"].get(FORWARD_MARK),
         "rss_mib": C.peak_rss_mib(), **C.dynamo_counts(),
     }
     ranks = C.gather_to_rank0(mine)
@@ -256,6 +318,9 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
         **C.rank_timings(ranks),
         "peak_live_mib": max(r["peak_live_bytes"] for r in ranks) * mib,
         "resident_mib": max(r["resident_bytes"] for r in ranks) * mib,
+        "activation_mib": max(r["activation_bytes"] for r in ranks) * mib,
+        "fwd_saved_mib": (max(r["fwd_saved_bytes"] for r in ranks) * mib
+                          if all(r["fwd_saved_bytes"] is not None for r in ranks) else None),
         "unseen_free_mib": max(r["unseen_free_bytes"] for r in ranks) * mib,
         "rss_mib": max(r["rss_mib"] for r in ranks),
         "opt_s": max((r["opt_s"] for r in ranks if r["opt_s"] is not None), default=None),
@@ -271,7 +336,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = C.init_dist()
     base = {
-        "variant": args.variant, "auto_plan": AUTO.get("plan"), "layers": args.layers, "batch_per_rank": args.batch, "seq": args.seq,
+        "variant": args.variant, "ac": args.ac, "auto_plan": AUTO.get("plan"), "layers": args.layers,
+        "batch_per_rank": args.batch, "seq": args.seq,
         "warmup": args.warmup, "steps": args.steps, "device": str(ctx.device), "backend": ctx.backend,
         "torch": torch.__version__, "threads": torch.get_num_threads(),
     }

@@ -3,6 +3,7 @@
     python benchmarks/bench_fsdp.py --reps 2 --layers 4     # comparison table and ratios
     python benchmarks/bench_fsdp.py --sweep                 # step/compile/memory vs depth 2, 4, 8 + PNG
     python benchmarks/bench_fsdp.py --quick                 # smoke run: 1 rep, 1 warmup + 3 steps
+    python benchmarks/bench_fsdp.py --ac-compare --layers 8 # activation checkpointing: none/full/selective
 
 The driver launches one ``torchrun`` per (variant, depth, repetition) running
 ``_fsdp_worker.py``, so every run starts from a fresh process (peak RSS is
@@ -33,6 +34,10 @@ LOCAL_FLOOR = "local_compile"  # N ranks, no sharding, no communication: the con
 COMM_ONLY = "graphshard_comm"  # graphshard's collectives of a step alone: their CPU cost
 SWEEP_VARIANTS = ("fsdp2", *COMPILE_PEERS, "graphshard")
 WS1 = "_ws1"  # suffix: the same variant launched with one process (the no-communication floor)
+AC_SEP = "@"  # suffix "@full" / "@selective" / "@none": the worker's --ac (activation checkpointing of the blocks)
+AC_MODES = ("none", "full", "selective")
+AC_VARIANTS = ("fsdp2_compile_blocks", "graphshard")  # --ac-compare: each with every AC_MODES
+AC_PEER = "fsdp2_compile_blocks"  # --ac-compare: the FSDP2 side of the graphshard / FSDP2 ratios
 
 # (metric, peer, target): subject/peer ratios printed beside these targets (never asserted).
 TARGETS = {
@@ -48,6 +53,7 @@ METRICS = [  # key, column header
     ("first_step_s", "1st step s"),
     ("ttfs_s", "setup+1st s"),
     ("peak_live_mib", "peak live MiB"),
+    ("activation_mib", "activation MiB"),
     ("resident_mib", "resident MiB"),
     ("rss_mib", "peak RSS MiB"),
     ("other_cpu_pct", "other CPU %"),
@@ -65,10 +71,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke run: fewer steps and one repetition")
     p.add_argument("--variants", default=None,
                    help=f"comma list (default {','.join(DEFAULT_VARIANTS)}; sweep: {','.join(SWEEP_VARIANTS)}); "
-                        f"append {WS1} to run any variant with one process")
+                        f"append {WS1} to run any variant with one process, {AC_SEP}full or {AC_SEP}selective "
+                        f"to checkpoint its blocks")
     p.add_argument("--subject", default="graphshard",
                    help="variant whose ratios to the peers are reported (e.g. fsdp2_compile_blocks to check the "
                         "report while graphshard is unavailable)")
+    p.add_argument("--ac-compare", action="store_true",
+                   help=f"activation checkpointing: {' and '.join(AC_VARIANTS)} (or --variants) each with "
+                        f"--ac {'/'.join(AC_MODES)}; table + AC overhead and memory ratios")
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: OMP_NUM_THREADS per rank, also for world-1 runs (default cores // nproc)")
@@ -78,7 +88,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
     a.steps = a.steps or (3 if a.quick else 8)
     default = SWEEP_VARIANTS if a.sweep else DEFAULT_VARIANTS
-    a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else list(default)
+    if a.ac_compare:
+        if a.sweep:
+            p.error("--ac-compare and --sweep do not combine")
+        bases = [v.strip() for v in a.variants.split(",")] if a.variants else list(AC_VARIANTS)
+        a.variants = [f"{v}{AC_SEP}{ac}" for ac in AC_MODES for v in bases]
+    else:
+        a.variants = [v.strip() for v in a.variants.split(",")] if a.variants else list(default)
     a.depths = [int(d) for d in a.depths.split(",")] if a.sweep else [a.layers]
     return a
 
@@ -98,14 +114,20 @@ def device_setup(args) -> tuple[int, dict[str, str], str]:
     return n, env, f"{n} CPU ranks x {threads} thread(s) on {cores} cores (gloo)"
 
 
+def split_label(label: str) -> tuple[str, bool, str]:
+    """``"graphshard_ws1@full"`` -> (worker variant ``graphshard``, one process?, AC mode ``full``)."""
+    name, _, ac = label.partition(AC_SEP)
+    return name.removesuffix(WS1), name.endswith(WS1), ac or "none"
+
+
 def run_one(args, variant: str, layers: int, rep: int, nproc: int, env: dict[str, str], attempt: int) -> dict:
     """One ``torchrun`` of the worker, with a progress bar fed by its ``@@progress`` lines."""
     from tqdm import tqdm
 
-    base = variant.removesuffix(WS1)
-    world = 1 if variant.endswith(WS1) else nproc
+    base, one_proc, ac = split_label(variant)
+    world = 1 if one_proc else nproc
     worker_args = ["--variant", base, "--layers", str(layers), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--data-world", str(nproc)]
+                   "--steps", str(args.steps), "--data-world", str(nproc), "--ac", ac]
     tag = f"{variant} L{layers} rep{rep}" + (f" retry{attempt}" if attempt else "")
     bar = tqdm(total=1 + args.warmup + args.steps, desc="  " + tag, position=1, leave=False, dynamic_ncols=True)
 
@@ -115,18 +137,21 @@ def run_one(args, variant: str, layers: int, rep: int, nproc: int, env: dict[str
 
     bar.set_postfix_str("waiting for an idle machine", refresh=True)
     waited = _launch.wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
-    name = f"fsdp_{variant}_L{layers}_r{rep}" + (f"_a{attempt}" if attempt else "")
+    name = f"fsdp_{variant.replace(AC_SEP, '_ac-')}_L{layers}_r{rep}" + (f"_a{attempt}" if attempt else "")
     log = os.path.join(args.out_dir, "logs", name + ".log")
     with _launch.CpuMonitor() as mon:
         res = _launch.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
                              fresh_compile_cache=not args.warm_cache, on_progress=on_progress, log_path=log)
     bar.close()
-    res.update(variant=variant, layers=layers, rep=rep, attempt=attempt, other_cpu_pct=mon.other_pct,
+    res.update(variant=variant, ac=ac, layers=layers, rep=rep, attempt=attempt, other_cpu_pct=mon.other_pct,
                steal_pct=mon.steal_pct, idle_wait_s=waited)
     if res["status"] == "ok":
         res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
+        act = res.get("activation_mib")
         res["_msg"] = (f"{tag:34s} step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  peak live "
-                       f"{res['peak_live_mib']:.0f} MiB  RSS {res['rss_mib']:.0f} MiB  "
+                       f"{res['peak_live_mib']:.0f} MiB"
+                       + (f" (activations {act:.0f})" if act is not None else "")
+                       + f"  RSS {res['rss_mib']:.0f} MiB  "
                        f"other CPU {C.fmt(res['other_cpu_pct'], 0)}%")
     else:
         res["_msg"] = f"{tag:34s} {res['status']}: {res.get('reason', '')}"
@@ -147,7 +172,7 @@ def run_all(args, nproc: int, env: dict[str, str]) -> list[dict]:
     records = []
     outer = tqdm(total=len(plan), desc="runs", position=0, dynamic_ncols=True)
     for rep, layers, variant in plan:
-        base = variant.removesuffix(WS1)
+        base = split_label(variant)[0]
         if base in unavailable:  # no need to launch it again to be told so
             records.append({"variant": variant, "layers": layers, "rep": rep, "status": "unavailable",
                             "reason": unavailable[base]})
@@ -304,11 +329,177 @@ def sweep_report(records, args) -> tuple[str, dict]:
     return "\n\n".join(sections), {"png": png}
 
 
+# --------------------------------------------------------------------------- activation checkpointing
+
+AC_METRICS = [  # key, column header
+    ("step_s", "step s"),
+    ("first_step_s", "first step s"),
+    ("ttfs_s", "setup+1st s"),
+    ("activation_mib", "activation MiB"),
+    ("fwd_saved_mib", "fwd-saved MiB"),
+    ("peak_live_mib", "peak MiB"),
+    ("resident_mib", "resident MiB"),
+    ("cpu_s", "CPU s/step"),
+    ("other_cpu_pct", "other CPU %"),
+]
+
+# (what, target): printed beside the --ac-compare ratios, never asserted.
+AC_TARGETS = {
+    "act_full_vs_peer": 1.00,  # graphshard / FSDP2 activation memory with full AC
+    "overhead_full_vs_peer": 1.00,  # (graphshard full / none) / (FSDP2 full / none) step time
+    "overhead_selective_vs_peer": 1.00,
+}
+
+
+def _ac_label(variant: str, ac: str) -> str:
+    return f"{variant}{AC_SEP}{ac}"
+
+
+def ac_bases(args) -> list[str]:
+    """The variants of an --ac-compare run, in order, without their AC suffix."""
+    out = []
+    for v in args.variants:
+        b = v.partition(AC_SEP)[0]
+        if b not in out:
+            out.append(b)
+    return out
+
+
+def ac_table(records, bases: list[str], layers: int, reps: int) -> str:
+    headers = ["variant", "ac", "status", *(h for _, h in AC_METRICS), "step s range", "graph breaks",
+               "last loss", "max loss diff vs no AC"]
+    rows = []
+    for v in bases:
+        ref = next((r for r in records if r["variant"] == _ac_label(v, "none") and r["layers"] == layers
+                    and r.get("status") == "ok"), None)
+        for ac in AC_MODES:
+            label = _ac_label(v, ac)
+            vals = {k: _cell(C.median(per_rep(records, label, layers, k, reps)), k) for k, _ in AC_METRICS}
+            steps = [x for x in per_rep(records, label, layers, "step_s", reps) if x is not None]
+            ok = [r for r in records if r["variant"] == label and r["layers"] == layers and r.get("status") == "ok"]
+            diff = "-"
+            if ok and ref:  # same rep where possible: same data, same init; AC should not change the numbers
+                mine = next((r for r in ok if r["rep"] == ref["rep"]), ok[0])
+                diff = f"{max(abs(a - b) for a, b in zip(mine['losses'], ref['losses'])):.1e}"
+            rows.append([v, ac, status_of(records, label, layers), *(vals[k] for k, _ in AC_METRICS),
+                         f"{min(steps):.3f}-{max(steps):.3f}" if steps else "-",
+                         ok[0].get("graph_breaks") if ok else "-",
+                         f"{ok[0]['losses'][-1]:.4f}" if ok else "-", diff])
+    return C.markdown_table(headers, rows)
+
+
+def _pr(records, num: str, den: str, layers: int, reps: int, key: str) -> list[float | None]:
+    """Per repetition ``key(num) / key(den)`` (None where either run failed)."""
+    a, b = per_rep(records, num, layers, key, reps), per_rep(records, den, layers, key, reps)
+    return [x / y if x is not None and y else None for x, y in zip(a, b)]
+
+
+def _target(ratio: float | None, target: float | None) -> str:
+    if ratio is None:
+        return "n/a" + (f" (target <= {target:.2f})" if target is not None else "")
+    if target is None:
+        return f"{ratio:.2f}"
+    return f"{ratio:.2f} (target <= {target:.2f}: {'met' if ratio <= target else 'MISSED'})"
+
+
+def _between(lo: float | None, mid: float | None, hi: float | None) -> str:
+    if lo is None or mid is None or hi is None:
+        return "n/a"
+    return "yes" if lo <= mid <= hi else "NO"
+
+
+def ac_ratios(records, bases: list[str], subject: str, peer: str, layers: int, reps: int) -> tuple[str, dict]:
+    """Per variant: AC's step-time overhead and activation-memory saving against its own no-AC run;
+    then subject / peer (graphshard / FSDP2) for activation memory and overhead. Ratios are taken
+    within a repetition and the median over repetitions is reported."""
+    rows, out = [], {}
+    for v in bases:
+        none = _ac_label(v, "none")
+        fig = {}
+        for ac in ("full", "selective"):
+            lab = _ac_label(v, ac)
+            fig[f"step_{ac}_over_none"] = C.median(_pr(records, lab, none, layers, reps, "step_s"))
+            fig[f"cpu_{ac}_over_none"] = C.median(_pr(records, lab, none, layers, reps, "cpu_s"))
+            fig[f"act_{ac}_over_none"] = C.median(_pr(records, lab, none, layers, reps, "activation_mib"))
+            fig[f"peak_{ac}_over_none"] = C.median(_pr(records, lab, none, layers, reps, "peak_live_mib"))
+        med = {(ac, k): C.median(per_rep(records, _ac_label(v, ac), layers, k, reps))
+               for ac in AC_MODES for k in ("step_s", "activation_mib")}
+        fig["selective_between_memory"] = _between(med["full", "activation_mib"], med["selective", "activation_mib"],
+                                                   med["none", "activation_mib"])
+        fig["selective_between_step"] = _between(med["none", "step_s"], med["selective", "step_s"],
+                                                 med["full", "step_s"])
+        out[v] = fig
+        rows.append([v, *(C.fmt(fig[k], 2) for k in ("step_full_over_none", "step_selective_over_none",
+                                                      "cpu_full_over_none", "cpu_selective_over_none",
+                                                      "act_full_over_none", "act_selective_over_none",
+                                                      "peak_full_over_none", "peak_selective_over_none")),
+                     fig["selective_between_memory"], fig["selective_between_step"]])
+    text = ("### AC against no AC, per variant\n\n"
+            + C.markdown_table(["variant", "step full/none", "step sel/none", "CPU full/none", "CPU sel/none",
+                                "act full/none", "act sel/none",
+                                "peak full/none", "peak sel/none", "selective between (memory)",
+                                "selective between (step)"], rows))
+    if subject not in bases or peer not in bases:
+        return text, out
+    vs = []
+
+    def overhead_vs(ac: str, key: str = "step_s") -> float | None:
+        mine = _pr(records, _ac_label(subject, ac), _ac_label(subject, "none"), layers, reps, key)
+        theirs = _pr(records, _ac_label(peer, ac), _ac_label(peer, "none"), layers, reps, key)
+        return C.paired_ratio(mine, theirs)
+
+    for what, key, ratio, target in [
+        ("activation MiB, full AC", "act_full_vs_peer",
+         C.paired_ratio(per_rep(records, _ac_label(subject, "full"), layers, "activation_mib", reps),
+                        per_rep(records, _ac_label(peer, "full"), layers, "activation_mib", reps)),
+         AC_TARGETS["act_full_vs_peer"]),
+        *[(f"activation MiB, {ac}", f"act_{ac}_vs_peer",
+           C.paired_ratio(per_rep(records, _ac_label(subject, ac), layers, "activation_mib", reps),
+                          per_rep(records, _ac_label(peer, ac), layers, "activation_mib", reps)), None)
+          for ac in ("selective", "none")],
+        ("AC step overhead (full/none), ours / theirs", "overhead_full_vs_peer", overhead_vs("full"),
+         AC_TARGETS["overhead_full_vs_peer"]),
+        ("AC step overhead (selective/none), ours / theirs", "overhead_selective_vs_peer", overhead_vs("selective"),
+         AC_TARGETS["overhead_selective_vs_peer"]),
+        *[(f"AC CPU s/step overhead ({ac}/none), ours / theirs (less sensitive to other jobs)",
+           f"cpu_overhead_{ac}_vs_peer", overhead_vs(ac, "cpu_s"), None) for ac in ("full", "selective")],
+        *[(f"step time, {ac}", f"step_{ac}_vs_peer",
+           C.paired_ratio(per_rep(records, _ac_label(subject, ac), layers, "step_s", reps),
+                          per_rep(records, _ac_label(peer, ac), layers, "step_s", reps)), None)
+          for ac in AC_MODES],
+        *[(f"peak MiB, {ac}", f"peak_{ac}_vs_peer",
+           C.paired_ratio(per_rep(records, _ac_label(subject, ac), layers, "peak_live_mib", reps),
+                          per_rep(records, _ac_label(peer, ac), layers, "peak_live_mib", reps)), None)
+          for ac in AC_MODES],
+    ]:
+        out[key] = ratio
+        vs.append([what, _target(ratio, target)])
+    both = all(out[v]["selective_between_memory"] == "yes" for v in (subject, peer))
+    vs.append(["selective between none and full, activation memory, both",
+               "yes" if both else "NO (see the table above)"])
+    both_t = all(out[v]["selective_between_step"] == "yes" for v in (subject, peer))
+    vs.append(["selective between none and full, step time, both", "yes" if both_t else "NO (see the table above)"])
+    text += (f"\n\n### {subject} / {peer}\n\n" + C.markdown_table([f"{subject} / {peer}", "ratio"], vs))
+    return text, out
+
+
 def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
     """Markdown report, output name and summary for the runs."""
     header = (f"# FSDP benchmark: {hw}; batch 8/rank x seq 128, AdamW; warmup {args.warmup}, "
               f"{args.steps} timed steps, {args.reps} rep(s); {'warm' if args.warm_cache else 'cold'} compile cache")
-    if args.sweep:
+    if getattr(args, "ac_compare", False):
+        layers = args.depths[0]
+        bases = ac_bases(args)
+        body = (f"## {layers} layers, activation checkpointing of every block (none / full / selective)\n\n"
+                + ac_table(records, bases, layers, args.reps))
+        ratios, extra = ac_ratios(records, bases, args.subject, AC_PEER, layers, args.reps)
+        body += ("\n\n## Ratios (median over repetitions of paired runs; targets printed, not asserted)\n\n"
+                 + ratios)
+        body += ("\n\nactivation MiB = peak live bytes during the step - live bytes right before its forward "
+                 "(after the previous step's opt.step() + zero_grad); fwd-saved MiB = live bytes at the end of "
+                 "forward + loss above the same start: what the forward leaves for the backward")
+        name = "fsdp_ac"
+    elif args.sweep:
         body, extra = sweep_report(records, args)
         name = "fsdp_sweep"
     else:
