@@ -184,6 +184,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     # autograd, nn.Module internals, pytree
     ("torch._C._current_graph_task_id", "fsdp/_wrapper.py (_compat.in_autograd_backward)"),
     ("torch.nn.modules.module._IncompatibleKeys", "fsdp/_state_dict.py (_compat.incompatible_keys)"),
+    ("torch.nn.Module()._compiled_call_impl", f"{_COMPAT} wrap_compiled_call (api.py compile_sharded)"),
     ("torch.nn.Module()._parameters", "storage.py, params.py, fsdp/ (parameter storage)"),
     ("torch.nn.Module()._buffers", "storage.py, fsdp/_state_dict.py"),
     ("torch.nn.Module()._modules", "storage.py (module tree rewrites)"),

@@ -240,6 +240,14 @@ def in_autograd_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def wrap_compiled_call(module: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> None:
+    """Wraps the callable ``module.compile()`` installed (what ``module(...)`` runs) in ``wrap(call)``."""
+    call = module.__dict__.get("_compiled_call_impl")
+    if call is None:
+        raise RuntimeError(f"{type(module).__name__} has no compiled call to wrap; call module.compile() first")
+    module._compiled_call_impl = wrap(call)
+
+
 def fsdp_default_hooks():
     """torch's FSDP default communication hooks (``allreduce_hook``, ``reduce_scatter_hook``,
     ``fp16_compress_hook``, ``bf16_compress_hook``): the module users take them from."""

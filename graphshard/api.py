@@ -11,7 +11,8 @@ from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain
 from graphshard.plan import Plan
-from graphshard.storage import shard, state_of
+from graphshard import _compat
+from graphshard.storage import counting_compiled_calls, shard, state_of
 
 
 def compile(
@@ -51,6 +52,7 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     """The one place graphshard compiles: ``module`` (the sharded ``root`` itself, or a frontend's wrapper
     around it) with the backend bound to ``root``'s `ShardedModel` and ``config``."""
     module.compile(backend=make_backend(state_of(root), config))
+    _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     return module
 
 

@@ -193,6 +193,7 @@ class ShardedModel:
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
     checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
+    eager_reads: dict = field(default_factory=dict)   # key -> where a frame run eagerly in a compiled call read it
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 
     def __repr__(self) -> str:  # short: a backend bound to it (functools.partial) shows it in dynamo's errors
@@ -227,7 +228,8 @@ def register(model: ShardedModel) -> None:
 
 
 def model_for_key(key: str) -> ShardedModel | None:
-    """The sharded model a key (``"m<id>/..."``) belongs to. Used only where no model was bound: a
-    model compiled by name (``torch.compile(model, backend="graphshard")``), at the backend's entry."""
+    """The sharded model a key (``"m<id>/..."``) belongs to. Used only where no model is bound: a
+    model compiled by name (``torch.compile(model, backend="graphshard")``), at the backend's entry,
+    and a parameter read in a frame run eagerly inside a compiled call (storage's markers)."""
     head = key.split("/", 1)[0]
     return _MODELS.get(int(head[1:])) if head[:1] == "m" and head[1:].isdigit() else None

@@ -10,8 +10,10 @@ module, tied weights) is one object, sharded once, and every FQN points at it.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import sys
 import threading
 import types
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from graphshard import sharding
+from graphshard import _compat, sharding
 from graphshard.ops import ops
 from graphshard.ops.dense import local_chunk
 from graphshard.checkpointing import Checkpoint, run_checkpointed
@@ -329,7 +331,7 @@ def _counted_forward(base: type):
 def _marker_getter(name: str):
     def get(self):
         p = self._parameters[name]
-        if isinstance(p, DTensor) and (torch.compiler.is_compiling() or _forward.depth > 0):
+        if isinstance(p, DTensor) and (torch.compiler.is_compiling() or _gathered_read(self._graphshard_markers[name][0])):
             key, dtype = self._graphshard_markers[name]
             return ops.param(p.to_local(), key, p.shape, dtype)
         return p  # outside forward: the sharded parameter itself, as FSDP2 shows it
@@ -342,7 +344,7 @@ def _flat_getter(name: str):
     def get(self):
         record = self._graphshard_flat[name]
         local = record.flat.local(record.slot)
-        if torch.compiler.is_compiling() or _forward.depth > 0:
+        if torch.compiler.is_compiling() or _gathered_read(record.key):
             return ops.param(local, record.key, record.logical_shape, record.param_dtype)
         return record.dtensor_of(local)  # outside forward: the shard as a DTensor (a view of the flat parameter)
 
@@ -350,13 +352,65 @@ def _flat_getter(name: str):
     return get
 
 
+def _gathered_read(key: str) -> bool:
+    """Whether a parameter read now, outside dynamo's tracing (where every read is a forward's; the
+    getters test that first, so dynamo never traces this), is a forward's, which gets the parameter
+    through the marker (gathered), rather than the sharded parameter itself:
+
+    - in an uncompiled sharded forward (`in_forward`);
+    - in a frame run eagerly inside a compiled sharded model's call: one dynamo did not compile
+      (a graph break in a loop skips the whole frame), or code it must not trace
+      (``torch.utils.checkpoint`` runs its function eagerly there). Recorded as an eager region;
+    - in the backward with grad mode on: a checkpoint recomputing an eagerly run forward (the
+      engine runs backward functions and hooks with grad mode off, unless ``create_graph``)."""
+    if _forward.depth > 0:
+        return True
+    if _forward.compiled > 0:
+        _record_eager_read(key, sys._getframe(2))  # here <- the getter <- the reader
+        return True
+    return _compat.in_autograd_backward() and torch.is_grad_enabled()
+
+
+def _record_eager_read(key: str, reader: types.FrameType) -> None:
+    model = sharding.model_for_key(key)
+    if model is None or key in model.eager_reads:
+        return
+    info = model.params[key]
+    code = reader.f_code
+    where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{reader.f_lineno})"
+    model.eager_reads[key] = where
+    unit = info.layout.unit
+    if unit is None or all(k == key or k not in model.eager_reads for k in model.units.get(unit, ())):
+        log.warning("graphshard: %s runs eagerly inside the compiled model: %s reads %s outside any compiled "
+                    "graph (dynamo skipped the frame or was told not to trace it; TORCH_LOGS=graph_breaks says "
+                    "why). Its parameters are gathered whole at each read and their gradients reduced eagerly; "
+                    "explain lists every such region", f"unit {unit!r}" if unit is not None else repr(info.fqn),
+                    where, info.fqn)
+
+
 def in_forward() -> bool:
-    """Whether a sharded model's forward is running (eagerly) on this thread."""
-    return _forward.depth > 0
+    """Whether a sharded model's forward is running on this thread: uncompiled, or compiled and
+    running a frame eagerly."""
+    return _forward.depth > 0 or _forward.compiled > 0
+
+
+def counting_compiled_calls(call):
+    """``call`` (a sharded model's compiled call) counted while it runs, so that the frames it runs
+    eagerly read parameters as a forward does (`_gathered_read`)."""
+    @functools.wraps(call)
+    def compiled_call(*args, **kwargs):
+        _forward.compiled += 1
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _forward.compiled -= 1
+
+    return compiled_call
 
 
 class _ForwardDepth(threading.local):
-    depth = 0
+    depth = 0     # uncompiled sharded forwards running
+    compiled = 0  # compiled sharded-model calls running
 
 
 _forward = _ForwardDepth()

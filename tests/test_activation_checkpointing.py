@@ -26,9 +26,9 @@ TOL = 1e-5
 
 TWO_RANK = ["fn:full_shard:inductor", "reentrant:full_shard:eager", "wrapper:shard_grad_op:eager",
             "plan:full_shard:eager", "plan_sac:full_shard:eager", "sac:tp:eager", "plan:tp:inductor",
-            "fn:replicate:eager", "dropout:full_shard:eager", "dropout:tp:eager"]
-FOUR_RANK = ["plan:fsdp_tp:eager", "wrapper:fsdp_tp:eager", "fn:hybrid:eager"]
-FORMS = ("fn", "reentrant", "wrapper", "sac", "plan", "plan_sac")
+            "fn:replicate:eager", "dropout:full_shard:eager", "dropout:tp:eager", "skipped:full_shard:inductor"]
+FOUR_RANK = ["plan:fsdp_tp:eager", "wrapper:fsdp_tp:eager", "fn:hybrid:eager", "skipped:fsdp_tp:eager"]
+FORMS = ("fn", "reentrant", "wrapper", "sac", "plan", "plan_sac", "skipped")
 """``--coverage full`` runs every form under every layout and lowering (and dropout under each)."""
 
 
@@ -62,6 +62,14 @@ def ac_results(request):
 def test_matches_single_process_with_the_same_checkpointing(ac_results, ac_case):
     r = ac_results[ac_case]
     assert r["loss_err"] <= TOL and r["param_err"] <= TOL, r  # inf (NaN) fails
+    if ac_case.startswith("skipped"):
+        # dynamo skips the frame with the blocks: they and their recomputation run eagerly inside the
+        # compiled model, their parameters gathered at each read, and every one is listed as such
+        assert r["graphs"] == 2 and not r["fallbacks"] and r["recomputed_ops"] == 0, r
+        assert r["eager_units"] and all(u.startswith("layers.") for u in r["eager_units"]), r
+        assert {u.split(".")[1] for u in r["eager_units"]} == {"0", "1"} and r["explain_lists_eager_regions"], r
+        return
+    assert not r["eager_units"] and not r["explain_lists_eager_regions"], r  # every block compiled
     assert r["graphs"] == 1 and not r["fallbacks"], r  # one graph (no break, no recompile), nothing gathered by fallback
     assert r["regions"] == 2 and r["recomputed_ops"] > 0, r  # two checkpointed blocks, recomputed in the backward
     if ac_case.startswith("dropout"):
@@ -247,6 +255,27 @@ class TestCheckpointPlanOption(TestCase):
                          "checkpointed module 'layers' spans units ['layers.0', 'layers.1']"):
             self.assertIn(expected, text)
             self.assertTrue(any(expected in line for line in logs.output), logs.output)
+
+    def test_users_checkpoint_runs_uncompiled_too(self):
+        # the uncompiled path: torch's checkpoint recomputes in the backward, where its reads of the
+        # parameters count as a forward's (gathered), not as the sharded DTensors
+        class Checkpointed(MLPBlocks):
+            def forward(self, x):
+                for layer in self.layers:
+                    x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                return x
+
+        ref, model = seeded(Checkpointed), seeded(Checkpointed)
+        graphshard.shard(model, graphshard.Plan(mesh1d("dp"), {"layers.*": graphshard.Replicate(),
+                                                               "": graphshard.Replicate()}))
+        x = torch.randn(4, 8)
+        out, ref_out = model(x), ref(x)
+        torch.testing.assert_close(out, ref_out)
+        F.mse_loss(out, torch.zeros_like(out)).backward()
+        F.mse_loss(ref_out, torch.zeros_like(ref_out)).backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(grads[n].full_tensor() if hasattr(grads[n], "full_tensor") else grads[n], p.grad)
 
     def test_plan_checkpointing_runs_eagerly_too(self):
         # graphshard.shard without compiling (the eager debugging path) runs the same checkpointed forward

@@ -132,6 +132,23 @@ def explain(model) -> str:
         parts.append("graphshard: no graph compiled yet; run a step first")
     else:
         parts.extend(r.format() for r in state.explain)
+    parts += _eager_regions(state)
     text = "\n".join(parts)
     print(text)
     return text
+
+
+def _eager_regions(state) -> list[str]:
+    """The units (or parameters outside units) read in frames run eagerly inside a compiled call, with
+    how many of their parameters were read and where the first was."""
+    if not state.eager_reads:
+        return []
+    by_unit: dict[str, list[str]] = {}
+    for key, where in state.eager_reads.items():
+        info = state.params[key]
+        name = f"unit {info.layout.unit!r}" if info.layout.unit is not None else repr(info.fqn)
+        by_unit.setdefault(name, []).append(f"{info.fqn} in {where}")
+    lines = ["eager regions (frames run without compiling inside the compiled call: each parameter gathered "
+             "whole at its read, its gradient reduced eagerly; TORCH_LOGS=graph_breaks says why dynamo skipped them):"]
+    lines += [f"  {name}: {len(reads)} parameter(s), first {reads[0]}" for name, reads in by_unit.items()]
+    return lines

@@ -9,7 +9,9 @@ Each CASE is ``form:layout:lower``:
   ``reentrant`` (``fn`` with ``use_reentrant=True``, the form HF's ``gradient_checkpointing_enable()``
   uses by default), ``sac`` (the blocks under ``create_selective_checkpoint_contexts`` with a policy that saves
   matmuls), ``plan`` / ``plan_sac`` (``Plan(checkpoint={"layers.*": Checkpoint(...)})``, full or
-  selective), ``none`` (no AC);
+  selective), ``skipped`` (``fn``'s blocks in a loop that logs, as HF's T5 does under gradient
+  checkpointing: dynamo skips that frame, so the blocks and their recomputation run eagerly inside
+  the compiled model), ``none`` (no AC);
 - layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``hybrid`` (HSDP: a 2x2
   "replicate" x "shard" mesh; 4 ranks), ``tp`` (tensor parallel, 1-D "tp"), ``fsdp_tp`` (2x2 mesh:
   FullyShard on "dp", tensor parallel on "tp"; 4 ranks);
@@ -29,8 +31,11 @@ other gradients.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import io
+import logging
 import sys
 
 import torch
@@ -49,6 +54,7 @@ from _runner import run_cases
 from graphshard import tensor_parallel as gtp
 from graphshard.testing.models import Block, FeedForward, Transformer, TransformerConfig, lm_loss, token_batch
 
+log = logging.getLogger(__name__)
 STEPS = 4
 SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
 TP_STYLES = {
@@ -101,8 +107,26 @@ class CheckpointedTransformer(Transformer):
         return self.output(self.norm(h))
 
 
+class SkippedFrameTransformer(Transformer):
+    """Checkpointed blocks in a loop that logs: a graph break in a loop makes dynamo skip the whole
+    frame (HF's T5Stack under gradient checkpointing), so the blocks run eagerly."""
+
+    def blocks(self, h):
+        for i, layer in enumerate(self.layers):
+            log.debug("block %d", i)
+            h = checkpoint(layer, h, use_reentrant=False)
+        return h
+
+    def forward(self, tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.blocks(self.tok_embeddings(tokens) + self.pos_embeddings(pos))
+        return self.output(self.norm(h))
+
+
 def build(form: str) -> nn.Module:
     torch.manual_seed(0)
+    if form == "skipped":
+        return SkippedFrameTransformer(SMALL)
     if form in ("fn", "sac", "reentrant"):
         return CheckpointedTransformer(SMALL, selective=form == "sac", reentrant=form == "reentrant")
     model = Transformer(SMALL)
@@ -174,11 +198,16 @@ def mean_over_ranks(losses: list[float]) -> list[float]:
 
 def recompute_report(model) -> dict:
     reports = model._graphshard.explain
+    with contextlib.redirect_stdout(io.StringIO()):
+        text = graphshard.explain(model)
     return {"recomputed_ops": sum(r.recompute.get("ops", 0) for r in reports),
             "saved_bytes": sum(r.recompute.get("saved_bytes", 0) for r in reports),
             "saved_bytes_without_ac": sum(r.recompute.get("saved_bytes_without_ac", 0) for r in reports),
             "regions": sum(r.recompute.get("regions", 0) for r in reports),
             "graphs": len(reports), "fallbacks": sorted({f for r in reports for f in r.fallbacks}),
+            "eager_units": sorted({(lambda info: info.layout.unit or info.fqn)(model._graphshard.params[k])
+                                   for k in model._graphshard.eager_reads}),
+            "explain_lists_eager_regions": "eager regions (frames run without compiling" in text,
             "notes": sorted({n for r in reports for n in r.notes})}
 
 

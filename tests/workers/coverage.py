@@ -126,12 +126,14 @@ def run_case(case: str) -> dict:
     param_err, worst = dict_err(mine_p, ref_p)
     loss_err = seq_err(losses, ref_losses)
     fallbacks = sorted({f for r in model._graphshard.explain for f in r.fallbacks})
+    eager = sorted({model._graphshard.params[k].layout.unit or model._graphshard.params[k].fqn
+                    for k in model._graphshard.eager_reads})
     recomputed = sum(r.recompute.get("ops", 0) for r in model._graphshard.explain)
     ok = loss_err <= TOL and param_err <= TOL and new_graphs == 0 and (recomputed > 0 or "ac" not in flags)
     return {"case": case, "ok": ok, "recomputed_ops": recomputed, "losses": losses, "loss_err": loss_err, "param_err": param_err, "worst_param": worst,
             "new_graphs": new_graphs, "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": sorted({r.split("\n")[0][:200] for r in counters["graph_break"]}),
-            "fallbacks": fallbacks, "seconds": round(seconds, 1)}
+            "fallbacks": fallbacks, "eager_units": eager, "seconds": round(seconds, 1)}
 
 
 def _root_cause(e: BaseException) -> BaseException:
