@@ -408,10 +408,10 @@ def _between(lo: float | None, mid: float | None, hi: float | None) -> str:
     return "yes" if lo <= mid <= hi else "NO"
 
 
-def ac_ratios(records, bases: list[str], subject: str, peer: str, layers: int, reps: int) -> tuple[str, dict]:
+def ac_ratios(records, bases: list[str], subjects: list[str], peer: str, layers: int, reps: int) -> tuple[str, dict]:
     """Per variant: AC's step-time overhead and activation-memory saving against its own no-AC run;
-    then subject / peer (graphshard / FSDP2) for activation memory and overhead. Ratios are taken
-    within a repetition and the median over repetitions is reported."""
+    then each subject / peer (graphshard / FSDP2) for activation memory and overhead. Ratios are
+    taken within a repetition and the median over repetitions is reported."""
     rows, out = [], {}
     for v in bases:
         none = _ac_label(v, "none")
@@ -439,9 +439,17 @@ def ac_ratios(records, bases: list[str], subject: str, peer: str, layers: int, r
                                 "act full/none", "act sel/none",
                                 "peak full/none", "peak sel/none", "selective between (memory)",
                                 "selective between (step)"], rows))
-    if subject not in bases or peer not in bases:
-        return text, out
+    for subject in subjects:
+        if subject in bases and peer in bases and subject != peer:
+            text += _ac_vs_peer(records, out, subject, peer, layers, reps)
+    return text, out
+
+
+def _ac_vs_peer(records, out: dict, subject: str, peer: str, layers: int, reps: int) -> str:
+    """``subject`` / ``peer`` for activation memory, AC's overhead, step time and peak (into ``out``,
+    keyed as ``<key>`` for the first subject graphshard and ``<subject>:<key>`` for the others)."""
     vs = []
+    prefix = "" if subject == "graphshard" else f"{subject}:"
 
     def overhead_vs(ac: str, key: str = "step_s") -> float | None:
         mine = _pr(records, _ac_label(subject, ac), _ac_label(subject, "none"), layers, reps, key)
@@ -472,15 +480,14 @@ def ac_ratios(records, bases: list[str], subject: str, peer: str, layers: int, r
                           per_rep(records, _ac_label(peer, ac), layers, "peak_live_mib", reps)), None)
           for ac in AC_MODES],
     ]:
-        out[key] = ratio
+        out[prefix + key] = ratio
         vs.append([what, _target(ratio, target)])
     both = all(out[v]["selective_between_memory"] == "yes" for v in (subject, peer))
     vs.append(["selective between none and full, activation memory, both",
                "yes" if both else "NO (see the table above)"])
     both_t = all(out[v]["selective_between_step"] == "yes" for v in (subject, peer))
     vs.append(["selective between none and full, step time, both", "yes" if both_t else "NO (see the table above)"])
-    text += (f"\n\n### {subject} / {peer}\n\n" + C.markdown_table([f"{subject} / {peer}", "ratio"], vs))
-    return text, out
+    return f"\n\n### {subject} / {peer}\n\n" + C.markdown_table([f"{subject} / {peer}", "ratio"], vs)
 
 
 def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
@@ -492,7 +499,8 @@ def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
         bases = ac_bases(args)
         body = (f"## {layers} layers, activation checkpointing of every block (none / full / selective)\n\n"
                 + ac_table(records, bases, layers, args.reps))
-        ratios, extra = ac_ratios(records, bases, args.subject, AC_PEER, layers, args.reps)
+        ratios, extra = ac_ratios(records, bases, [args.subject, *(b for b in bases if b != args.subject)], AC_PEER,
+                                  layers, args.reps)
         body += ("\n\n## Ratios (median over repetitions of paired runs; targets printed, not asserted)\n\n"
                  + ratios)
         body += ("\n\nactivation MiB = peak live bytes during the step - live bytes right before its forward "
