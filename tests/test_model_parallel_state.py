@@ -16,7 +16,7 @@ from _launch import torchrun  # noqa: E402
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("dmp_state"))
-    results = {r["case"]: r for r in torchrun("dmp_state.py", [d, "dcp", "interchange"], nproc=2)}
+    results = {r["case"]: r for r in torchrun("dmp_state.py", [d, "dcp", "interchange", "keyed"], nproc=2)}
     return d, results
 
 
@@ -31,6 +31,17 @@ def test_fused_optimizer_state_resumes(saved):
     _, r = saved
     assert r["dcp"]["optim_entries"] == 4  # the four fused tables (the fifth is data-parallel)
     assert r["dcp"]["optim_resume_diff"] == 0.0, r["dcp"]
+
+
+def test_torchrec_optimizer_classes_drive_the_fused_optimizer(saved):
+    # fused_optimizer is a KeyedOptimizer laid out as TorchRec's (same keys and state names on every
+    # rank); CombinedOptimizer, a torch LR scheduler and WarmupOptimizer set the kernels' lr; the
+    # state dict reloads into the kernels' state
+    r = saved[1]["keyed"]
+    assert r["keyed"] and r["same_layout_as_torchrec_every_rank"], r
+    assert r["lrs_after_schedule"] == pytest.approx([0.025]), r  # StepLR(gamma=0.5) on lr 0.05
+    assert r["lrs_after_warmup_start"] == pytest.approx([0.1]), r  # WarmupOptimizer(lr=0.2), linear from 0.5
+    assert r["state_changed_by_step"] > 0 and r["state_restored_err"] == 0.0, r
 
 
 @pytest.mark.parametrize("world", [1, 4])

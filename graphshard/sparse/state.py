@@ -144,12 +144,16 @@ def load_tables(coll, state: dict, prefix: str, missing: list) -> None:
             load_table(coll, t, state.pop(key), key)
 
 
-def _state_layout(coll, table: str, ranks, placements):
-    """A table's fused optimizer state as a DTensor: row-wise Adagrad keeps one value per row (per
-    row and column block for a column-wise table: ``[rows, blocks]``, ``Shard(1)``), Adagrad one per
-    element (the table's layout); SGD none."""
+def optimizer_state(coll, table: str) -> DTensor:
+    """A fused table's optimizer state as a DTensor over the ranks that hold the table, a view of the
+    TBE's state: row-wise Adagrad keeps one value per row (per row and column block for a
+    column-wise table: ``[rows, blocks]``, ``Shard(1)``), Adagrad one per element (the table's
+    layout). The kind is the collection's (``fused_params``), the same on every rank."""
+    from graphshard.sparse.fused_tbe import optimizer_name
+
+    ranks, placements = _meshes(coll)[table]
     t = coll.table(table)
-    kind = coll.fused()[0].optimizer if coll.fused() else None
+    kind = optimizer_name(coll.fused_params.get("optimizer", "sgd"))
     pieces = coll.local_state(table)
     local = pieces[0][1] if pieces else None
     device = coll.layout.device
@@ -166,39 +170,3 @@ def _state_layout(coll, table: str, ranks, placements):
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, _table_mesh(coll, ranks), placements, run_check=False, shape=torch.Size(shape),
                               stride=stride)
-
-
-def optimizer_entries(coll) -> dict[str, dict]:
-    """``{table weight FQN: {"momentum1": DTensor}}`` for this collection's fused tables (none for SGD)."""
-    if not coll.fused() or coll.fused()[0].optimizer == "sgd":
-        return {}
-    fqn = coll.layout.fqns[0]
-    return {weight_key(coll, fqn, name): {"momentum1": _state_layout(coll, name, ranks, pl)}
-            for name, (ranks, pl) in _meshes(coll).items()}
-
-
-def load_optimizer_entries(coll, state: dict) -> None:
-    """Copies each table's saved optimizer state (a DTensor as ``optimizer_entries`` gives, or a full
-    tensor) into this rank's pieces."""
-    kind = coll.fused()[0].optimizer if coll.fused() else None
-    fqn = coll.layout.fqns[0]
-    for t in coll.layout.tables:
-        if not t.fused or kind in (None, "sgd"):
-            continue
-        key = weight_key(coll, fqn, t.name)
-        if key not in state:
-            raise ValueError(f"the fused optimizer state has no entry for {key!r}; it has {sorted(state)}")
-        value = state[key]["momentum1"]
-        if isinstance(value, DTensor):
-            if value.device_mesh.get_coordinate() is None:
-                continue
-            value = value.full_tensor()
-        blocks = sorted(s.col_offset for s in t.shards)
-        with torch.no_grad():
-            for s, piece in coll.local_state(t.name):
-                if kind == "rowwise_adagrad" and t.sharding_type == "column_wise":
-                    piece.copy_(value[:, blocks.index(s.col_offset)])
-                elif kind == "rowwise_adagrad":
-                    piece.copy_(value[s.row_offset:s.row_offset + s.rows])
-                else:
-                    piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])

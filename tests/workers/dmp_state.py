@@ -10,6 +10,10 @@
 - ``interchange``: TorchRec's DMP (plan A) trains two steps; its state dict (ShardedTensor
   tables) loads into graphshard's DMP with ``load_state_dict``; graphshard's state saved with
   DCP loads into a fresh TorchRec DMP. Each side's tables must equal the other's.
+- ``keyed``: TorchRec's optimizer classes on graphshard's ``fused_optimizer`` beside TorchRec's DMP
+  (plan A): the same parameter keys and per-table state names as TorchRec's; ``CombinedOptimizer``
+  with a ``KeyedOptimizerWrapper`` over the dense parameters, a torch LR scheduler and a
+  ``WarmupOptimizer`` set the kernels' learning rate; the combined state dict round-trips.
 - ``sequence``: the same for an ``EmbeddingCollection`` (the ``seq`` model of tests/workers/dmp.py):
   graphshard's DCP checkpoint loads under another plan (and gives the same next step) and into
   TorchRec's DMP; TorchRec's state dict, after two steps of its own, loads into graphshard's.
@@ -140,7 +144,7 @@ def run(case: str) -> dict:
         return {"case": case, "reshard_diff": _diff(loaded, saved), "next_loss_diff": abs(next_a[0] - next_b[0]),
                 "reader_start_diff": reader_start,
                 "optim_resume_diff": _diff(_full_state(same), _full_state(gs)),
-                "optim_entries": len(gs.fused_optimizer.state_dict()["state"]),
+                "optim_entries": _all_ranks_keys(gs.fused_optimizer.state_dict()["state"]),
                 "trained": worst(tensor_err(saved[k], v) for k, v in base.state_dict().items())}
     if case == "load_other_world":  # the 2-rank "dcp" checkpoint, on this world size, plan A
         saved = torch.load(os.path.join(out_dir, "full.pt"))
@@ -177,6 +181,8 @@ def run(case: str) -> dict:
                 "reader_start_diff": reader_start,
                 "graphshard_to_torchrec": into_tr, "torchrec_to_graphshard": into_gs,
                 "trained": worst(tensor_err(saved[k], v) for k, v in seq.state_dict().items())}
+    if case == "keyed":
+        return _keyed(base, plan_a, world, rank)
     if case == "interchange":
         tr = _tr(base, world)
         _init_torchrec(tr, base.state_dict())
@@ -196,6 +202,74 @@ def run(case: str) -> dict:
         into_tr = _diff(_full_state(tr2), gs_state)
         return {"case": case, "torchrec_to_graphshard": into_gs, "graphshard_to_torchrec": into_tr}
     raise ValueError(case)
+
+
+def _keyed(base, plan_a, world: int, rank: int) -> dict:
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+    gs, tr = _gs(base, plan_a, world), _tr(base, world)
+
+    def layout(opt) -> dict:  # parameter keys and each one's state names, as TorchRec lays them out
+        return {k: sorted(v) for k, v in opt.state_dict()["state"].items()}
+
+    def kernel_lrs() -> list[float]:
+        return sorted({round(float(t.lr), 9) for c in gs._collections for t in c.fused()})
+
+    same = layout(gs.fused_optimizer) == layout(tr.fused_optimizer) and sorted(gs.fused_optimizer.params) == sorted(
+        tr.fused_optimizer.params)
+    out = {"case": "keyed", "keyed": isinstance(gs.fused_optimizer, KeyedOptimizer),
+           "layout": layout(gs.fused_optimizer), "torchrec_layout": layout(tr.fused_optimizer),
+           "same_layout_as_torchrec_every_rank": _all_ranks_max(0.0 if same else 1.0) == 0.0}
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(gs.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=common.LR))
+    combined = CombinedOptimizer([gs.fused_optimizer, dense])
+    scheduler = torch.optim.lr_scheduler.StepLR(combined, step_size=1, gamma=0.5)
+    x, y = common.batch(MODEL, 0, rank)
+    common.loss_of(gs(*x), y).backward()
+    combined.step()
+    combined.zero_grad()
+    scheduler.step()
+    out["lrs_after_schedule"] = kernel_lrs()  # 0.05 * 0.5
+    warm = WarmupOptimizer(combined, stages=[WarmupStage(policy=WarmupPolicy.LINEAR, max_iters=4, value=0.5)], lr=0.2)
+    out["lrs_after_warmup_start"] = kernel_lrs()  # 0.2 * 0.5 (the first stage's start)
+    def local_state() -> dict:  # this rank's pieces of every table's state
+        return {(k, n): v.to_local().clone() for k, d in gs.fused_optimizer.state_dict()["state"].items()
+                for n, v in d.items()}
+
+    saved_sd = {"state": {k: {n: _copy(v) for n, v in d.items()}
+                          for k, d in warm.state_dict()["state"].items() if not k.startswith("__")}}
+    saved = local_state()
+    warm.step()
+    x, y = common.batch(MODEL, 1, rank)
+    common.loss_of(gs(*x), y).backward()  # the fused update changes the tables' state
+    changed = _all_ranks_max(max(tensor_err(v, local_state()[k]) for k, v in saved.items()))
+    gs.fused_optimizer.load_state_dict(saved_sd)
+    restored = _all_ranks_max(max(tensor_err(v, local_state()[k]) for k, v in saved.items()))
+    out.update(state_changed_by_step=changed, state_restored_err=restored)
+    return out
+
+
+def _copy(v):
+    """A DTensor with a copy of ``v``'s local piece, laid out as ``v``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(v.to_local().clone(), v.device_mesh, v.placements, run_check=False, shape=v.shape,
+                              stride=v.stride())
+
+
+def _all_ranks_keys(state: dict) -> int:
+    """How many distinct keys ``state`` has over all ranks (each rank's optimizer holds its own tables)."""
+    keys = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, sorted(state))
+    return len({k for ks in keys for k in ks})
+
+
+def _all_ranks_max(x: float) -> float:
+    t = torch.tensor(x, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ class DistributedModelParallel(nn.Module):
             self._sharded.append(torchrec_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
         module.to(self.device)  # the dense part (the sharded tables are already there, in their TBEs)
         self._sequence = any(c.layout.sequence for c in self._collections)
-        self._optim = _state.FusedOptimizer(self._collections)
+        from graphshard.frontends.model_parallel._optimizer import FusedOptimizer
+
+        self._optim = FusedOptimizer(self._collections)
         self._ddp_wrapped = False
         if init_data_parallel:
             self.init_data_parallel()
@@ -243,6 +245,7 @@ class DistributedModelParallel(nn.Module):
 
     @property
     def fused_optimizer(self):
+        """The sharded tables' fused optimizer: a TorchRec ``KeyedOptimizer`` (`_optimizer.FusedOptimizer`)."""
         return self._optim
 
     def copy(self, device: torch.device) -> "DistributedModelParallel":

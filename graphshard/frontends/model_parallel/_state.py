@@ -1,4 +1,4 @@
-"""DMP's state: the fused optimizer, input checks, state dicts, parameter and buffer listings."""
+"""DMP's state: input checks, state dicts, parameter and buffer listings (the fused optimizer: `_optimizer`)."""
 
 from __future__ import annotations
 
@@ -11,58 +11,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 _TBE_PREFIX = "_graphshard_tbes"
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
-
-
-class FusedOptimizer:
-    """The in-backward (fused) optimizer of the sharded tables: TorchRec's ``fused_optimizer``.
-
-    The update already happened in the backward; ``step`` and ``zero_grad`` do nothing. One
-    param group per sharded module; setting its ``lr`` changes the kernels' learning rate.
-    """
-
-    def __init__(self, collections: list):
-        self._collections = collections
-        self.param_groups = [_LrGroup(c) for c in collections]
-
-    def step(self, closure=None) -> None:
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        return None
-
-    def state_dict(self) -> dict:
-        """``{"state": {table weight FQN: {"momentum1": DTensor}}, "param_groups": [...]}``: the
-        tables' optimizer state laid out like the tables (``torch.distributed.checkpoint`` saves it)."""
-        from graphshard.sparse.state import optimizer_entries
-
-        state: dict = {}
-        for c in self._collections:
-            state.update(optimizer_entries(c))
-        return {"state": state, "param_groups": [{"lr": g["lr"], "module": g["module"]} for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        from graphshard.sparse.state import load_optimizer_entries
-
-        for c in self._collections:
-            load_optimizer_entries(c, state_dict["state"])
-        for group, saved in zip(self.param_groups, state_dict.get("param_groups", [])):
-            group["lr"] = saved["lr"]
-
-    def __repr__(self) -> str:
-        return f"FusedOptimizer({[c.layout.fqns[0] for c in self._collections]})"
-
-
-class _LrGroup(dict):
-    def __init__(self, coll):
-        tbes = coll.fused()
-        super().__init__(lr=float(tbes[0].lr) if tbes else 0.0, params=[], module=coll.layout.fqns[0])
-        self._tbes = tbes
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        if key == "lr":
-            for t in self._tbes:
-                t.lr.fill_(float(value))
 
 
 def materialize_meta(module: nn.Module, device: torch.device) -> None:
