@@ -265,25 +265,17 @@ class TestCheckpointPlanOption(TestCase):
                     x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
                 return x
 
-        ref, model = seeded(Checkpointed), seeded(Checkpointed)
-        graphshard.shard(model, graphshard.Plan(mesh1d("dp"), {"layers.*": graphshard.Replicate(),
-                                                               "": graphshard.Replicate()}))
-        x = torch.randn(4, 8)
-        out, ref_out = model(x), ref(x)
-        torch.testing.assert_close(out, ref_out)
-        F.mse_loss(out, torch.zeros_like(out)).backward()
-        F.mse_loss(ref_out, torch.zeros_like(ref_out)).backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        for n, p in ref.named_parameters():
-            torch.testing.assert_close(grads[n].full_tensor() if hasattr(grads[n], "full_tensor") else grads[n], p.grad)
+        self._uncompiled_matches(Checkpointed)
 
     def test_plan_checkpointing_runs_eagerly_too(self):
         # graphshard.shard without compiling (the eager debugging path) runs the same checkpointed forward
-        ref = seeded(MLPBlocks)
-        model = seeded(MLPBlocks)
+        self._uncompiled_matches(MLPBlocks, checkpoint={"layers.*": graphshard.Checkpoint()})
+
+    def _uncompiled_matches(self, cls, **plan_options):
+        """``cls`` sharded (replicated) and run without compiling: outputs and gradients equal plain torch's."""
+        ref, model = seeded(cls), seeded(cls)
         graphshard.shard(model, graphshard.Plan(mesh1d("dp"), {"layers.*": graphshard.Replicate(),
-                                                               "": graphshard.Replicate()},
-                                                checkpoint={"layers.*": graphshard.Checkpoint()}))
+                                                               "": graphshard.Replicate()}, **plan_options))
         x = torch.randn(4, 8)
         out, ref_out = model(x), ref(x)
         torch.testing.assert_close(out, ref_out)
