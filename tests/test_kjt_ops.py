@@ -131,3 +131,20 @@ def test_same_as_fbgemm():
             if a is not None:
                 torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)
     torch.testing.assert_close(TORCH.offsets(lengths.reshape(-1)), fb.offsets(lengths.reshape(-1)), rtol=0, atol=0)
+
+
+def test_int32_ids_bucketize_the_same_with_either_implementation():
+    # TorchRec's RandomRecDataset gives int32 lengths and ids; the program's block sizes are int64
+    pytest.importorskip("fbgemm_gpu")
+    fb = KJTOps(fbgemm=True)
+    gen = torch.Generator().manual_seed(5)
+    lengths, values, weights = _kjt(gen, features=3, batch=4, rows=24)
+    lengths, values = lengths.to(torch.int32), values.to(torch.int32)
+    blocks = torch.tensor([8, 8, 8], dtype=torch.int64)
+    for sequence in (False, True):
+        mine = TORCH.bucketize(lengths.reshape(-1), values, blocks, 3, weights, sequence)
+        theirs = fb.bucketize(lengths.reshape(-1), values, blocks, 3, weights, sequence)
+        for a, b in zip(mine, theirs, strict=True):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)

@@ -117,9 +117,9 @@ class KJTOps:
                   weights: torch.Tensor | None, sequence: bool = False):
         """(lengths ``[buckets * features * batch]``, local ids, weights, position of each input id
         in the output (``sequence``; else None))."""
-        if self.fbgemm:
+        if self.fbgemm:  # fbgemm wants the block sizes in the ids' dtype (TorchRec's datasets give int32 ids)
             bl, bv, bw, _, position = torch.ops.fbgemm.block_bucketize_sparse_features(
-                lengths, values, False, sequence, block_sizes, buckets, weights)
+                lengths, values, False, sequence, block_sizes.to(values.dtype), buckets, weights)
             return bl, bv, bw, position
         return torch.ops.graphshard.kjt_bucketize(lengths, values, block_sizes, buckets, weights, sequence)
 
