@@ -122,14 +122,7 @@ def test_same_as_fbgemm():
     index = torch.tensor([3, 1, 1], dtype=torch.int32)
     for a, b in zip(TORCH.permute(index, lengths, values, weights), fb.permute(index, lengths, values, weights)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    blocks = torch.tensor([8, 8, 8, 8])
-    for sequence in (False, True):
-        mine = TORCH.bucketize(lengths.reshape(-1), values, blocks, 4, weights, sequence)
-        theirs = fb.bucketize(lengths.reshape(-1), values, blocks, 4, weights, sequence)
-        for a, b in zip(mine, theirs, strict=True):
-            assert (a is None) == (b is None)
-            if a is not None:
-                torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0)
+    _same_bucketize(fb, lengths, values, torch.tensor([8, 8, 8, 8]), 4, weights)
     torch.testing.assert_close(TORCH.offsets(lengths.reshape(-1)), fb.offsets(lengths.reshape(-1)), rtol=0, atol=0)
 
 
@@ -140,10 +133,14 @@ def test_int32_ids_bucketize_the_same_with_either_implementation():
     gen = torch.Generator().manual_seed(5)
     lengths, values, weights = _kjt(gen, features=3, batch=4, rows=24)
     lengths, values = lengths.to(torch.int32), values.to(torch.int32)
-    blocks = torch.tensor([8, 8, 8], dtype=torch.int64)
+    _same_bucketize(fb, lengths, values, torch.tensor([8, 8, 8], dtype=torch.int64), 3, weights)
+
+
+def _same_bucketize(fb, lengths, values, blocks, buckets, weights):
+    """graphshard's torch bucketize and fbgemm's give the same outputs, pooled and sequence."""
     for sequence in (False, True):
-        mine = TORCH.bucketize(lengths.reshape(-1), values, blocks, 3, weights, sequence)
-        theirs = fb.bucketize(lengths.reshape(-1), values, blocks, 3, weights, sequence)
+        mine = TORCH.bucketize(lengths.reshape(-1), values, blocks, buckets, weights, sequence)
+        theirs = fb.bucketize(lengths.reshape(-1), values, blocks, buckets, weights, sequence)
         for a, b in zip(mine, theirs, strict=True):
             assert (a is None) == (b is None)
             if a is not None:
