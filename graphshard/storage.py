@@ -331,9 +331,10 @@ def _counted_forward(base: type):
 def _marker_getter(name: str):
     def get(self):
         p = self._parameters[name]
-        if isinstance(p, DTensor) and (torch.compiler.is_compiling() or _gathered_read(self._graphshard_markers[name][0])):
+        if isinstance(p, DTensor):
             key, dtype = self._graphshard_markers[name]
-            return ops.param(p.to_local(), key, p.shape, dtype)
+            if torch.compiler.is_compiling() or _gathered_read(key):
+                return ops.param(p.to_local(), key, p.shape, dtype)
         return p  # outside forward: the sharded parameter itself, as FSDP2 shows it
 
     get.__name__ = name
@@ -366,15 +367,14 @@ def _gathered_read(key: str) -> bool:
     if _forward.depth > 0:
         return True
     if _forward.compiled > 0:
-        _record_eager_read(key, sys._getframe(2))  # here <- the getter <- the reader
+        model = sharding.model_for_key(key)
+        if model is not None and key not in model.eager_reads:  # each parameter's first eager read only
+            _record_eager_read(model, key, sys._getframe(2))  # here <- the getter <- the reader
         return True
     return _compat.in_autograd_backward() and torch.is_grad_enabled()
 
 
-def _record_eager_read(key: str, reader: types.FrameType) -> None:
-    model = sharding.model_for_key(key)
-    if model is None or key in model.eager_reads:
-        return
+def _record_eager_read(model: ShardedModel, key: str, reader: types.FrameType) -> None:
     info = model.params[key]
     code = reader.f_code
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{reader.f_lineno})"

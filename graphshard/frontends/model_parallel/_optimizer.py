@@ -57,8 +57,7 @@ class FusedOptimizer(_TorchRecFusedOptimizer):
             group.apply()
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        for group in self.param_groups:
-            group.apply()
+        self.step()
 
 
 class _Group(dict):
