@@ -234,9 +234,14 @@ def _keyed(base, plan_a, world: int, rank: int) -> dict:
     out["lrs_after_schedule"] = kernel_lrs()  # 0.05 * 0.5
     warm = WarmupOptimizer(combined, stages=[WarmupStage(policy=WarmupPolicy.LINEAR, max_iters=4, value=0.5)], lr=0.2)
     out["lrs_after_warmup_start"] = kernel_lrs()  # 0.2 * 0.5 (the first stage's start)
+
     def local_state() -> dict:  # this rank's pieces of every table's state
         return {(k, n): v.to_local().clone() for k, d in gs.fused_optimizer.state_dict()["state"].items()
                 for n, v in d.items()}
+
+    def moved_from_saved() -> float:
+        now = local_state()
+        return _all_ranks_max(max(tensor_err(v, now[k]) for k, v in saved.items()))
 
     saved_sd = {"state": {k: {n: _copy(v) for n, v in d.items()}
                           for k, d in warm.state_dict()["state"].items() if not k.startswith("__")}}
@@ -244,9 +249,9 @@ def _keyed(base, plan_a, world: int, rank: int) -> dict:
     warm.step()
     x, y = common.batch(MODEL, 1, rank)
     common.loss_of(gs(*x), y).backward()  # the fused update changes the tables' state
-    changed = _all_ranks_max(max(tensor_err(v, local_state()[k]) for k, v in saved.items()))
+    changed = moved_from_saved()
     gs.fused_optimizer.load_state_dict(saved_sd)
-    restored = _all_ranks_max(max(tensor_err(v, local_state()[k]) for k, v in saved.items()))
+    restored = moved_from_saved()
     out.update(state_changed_by_step=changed, state_restored_err=restored)
     return out
 
