@@ -33,6 +33,9 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--loop", choices=["pipeline", "plain"], default="pipeline",
+                   help="pipeline: TorchRec's training loop (DLRMTrain, CombinedOptimizer, TrainPipelineSparseDist); "
+                        "plain: forward, backward, step by hand")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -52,6 +55,10 @@ def build(args, world):
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[128, DIM],
                  over_arch_layer_sizes=[128, 1])
+    if args.loop == "pipeline":  # TorchRec's training module: forward(Batch) -> (loss, (loss, logits, labels))
+        from torchrec.models.dlrm import DLRMTrain
+
+        model = DLRMTrain(model)
     if args.sharding in ("planned", "trplanned"):
         return model, _planned(args, model, world)
     if args.sharding == "auto":
@@ -60,9 +67,13 @@ def build(args, world):
     kind = {"tw": lambda i: table_wise(rank=i % world, compute_kernel=f), "rw": lambda i: row_wise(compute_kernel=f),
             "cw": lambda i: column_wise(ranks=list(range(world)), compute_kernel=f),
             "dp": lambda i: data_parallel()}[args.sharding]
-    plan = ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+    plan = ShardingPlan({_ebc_fqn(args): construct_module_sharding_plan(
         ebc, per_param_sharding={f"t{i}": kind(i) for i in range(TABLES)}, world_size=world, device_type="cpu")})
     return model, plan
+
+
+def _ebc_fqn(args) -> str:
+    return ("model." if args.loop == "pipeline" else "") + "sparse_arch.embedding_bag_collection"
 
 
 FUSED = None  # set in run(): the fused optimizer both DMPs and the planners see
@@ -137,6 +148,29 @@ def batches(args, rank, n):
     return out
 
 
+def _pipeline_step(dmp, data):
+    """TorchRec's loop: its ``Batch``, ``CombinedOptimizer`` over the fused tables and the dense part,
+    ``TrainPipelineSparseDist`` driving the model (each call of the step is one ``progress``)."""
+    import itertools
+
+    import torch
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.01))
+    optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
+    pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+    batches = itertools.cycle([Batch(dense_features=x, sparse_features=kjt, labels=y) for x, kjt, y in data])
+
+    def step(i):
+        return pipeline.progress(batches)[0]
+
+    return step
+
+
 def run(args, ctx):
     import torch
     import torch.distributed as dist
@@ -159,16 +193,19 @@ def run(args, ctx):
                                    device=torch.device("cpu"), plan=plan,
                                    sharders=[EmbeddingBagCollectionSharder(fused_params=fused)])
     setup_s = time.perf_counter() - t0
-    dense = torch.optim.SGD([p for _, p in dmp.named_parameters() if p.requires_grad], lr=0.01)
     data = batches(args, ctx.rank, 8)
+    if args.loop == "pipeline":
+        step = _pipeline_step(dmp, data)
+    else:
+        dense = torch.optim.SGD([p for _, p in dmp.named_parameters() if p.requires_grad], lr=0.01)
 
-    def step(i):
-        x, kjt, y = data[i % len(data)]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(x, kjt).squeeze(1), y)
-        loss.backward()
-        dense.step()
-        dense.zero_grad(set_to_none=True)
-        return loss
+        def step(i):
+            x, kjt, y = data[i % len(data)]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(dmp(x, kjt).squeeze(1), y)
+            loss.backward()
+            dense.step()
+            dense.zero_grad(set_to_none=True)
+            return loss
 
     first, times, losses, cpu_s = C.time_steps(ctx, step, args.warmup, args.steps)
     comm = C.count_collectives(lambda: step(0))

@@ -21,6 +21,7 @@ TWO_RANK = [
     "full:full_shard:flat", "full:full_shard:orig", "full:shard_grad_op:orig", "full:no_shard:flat",
     "full:no_shard:orig",
     "sharded:flat:{dir}", "sharded:orig:{dir}", "local:flat:{dir}", "local:orig:{dir}", "legacy:flat", "legacy:orig",
+    "ignored:orig",
 ]
 FOUR_RANK = ["full:hybrid_shard:flat", "full:hybrid_shard:orig"]  # a (2, 2) mesh: replicate x shard
 RESHARD = [1, 4]

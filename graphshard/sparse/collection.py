@@ -62,13 +62,16 @@ class SparseCollection:
     """The sharded state and program of one collection on this rank.
 
     ``weights``: each table's full logical weight (``[rows, dim]``, on any device); this rank
-    copies its pieces into the TBEs. ``dp_params``: the data-parallel tables' parameters, by
+    copies its pieces into the TBEs. ``inits``: for a table whose weight is on the meta device,
+    the ``(low, high)`` its pieces are drawn from uniformly instead. ``dp_params``: the data-parallel tables' parameters, by
     table name (they stay where they are). ``fused_params``: fbgemm's optimizer keywords.
     """
 
     def __init__(self, layout: CollectionLayout, weights: dict[str, torch.Tensor], dp_params: dict[str, nn.Parameter],
-                 fused_params: dict, bounds_check: bool = True, need_indices: bool = False):
+                 fused_params: dict, bounds_check: bool = True, need_indices: bool = False,
+                 inits: dict[str, tuple[float, float]] | None = None):
         layout.check()
+        self.inits = dict(inits or {})
         self.need_indices = need_indices
         self.layout = layout
         self.plan: LocalPlan = local_plan(layout)
@@ -117,7 +120,13 @@ class SparseCollection:
             for (t, s), (i, start) in zip(shards, where):
                 self.pieces.setdefault(t.name, []).append((s, name, i, start))
                 piece = _rows(tbe.table(i), start, s.rows)
-                piece.copy_(weights[t.name][s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+                if weights[t.name].is_meta:
+                    if t.name not in self.inits:
+                        raise ValueError(f"table {t.name!r} is on the meta device and has no init bounds: "
+                                         "build it on a real device or give its (weight_init_min, weight_init_max)")
+                    piece.uniform_(*self.inits[t.name])
+                else:
+                    piece.copy_(weights[t.name][s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
         return tbe
 
     # ---- what the program reads ----

@@ -277,8 +277,11 @@ class FusedTBE(nn.Module):
     def lookup_with(self, token: torch.Tensor, weights: torch.Tensor, momentum: torch.Tensor, lr: torch.Tensor,
                     indices: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
                     constants: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """``lookup`` with the state tensors (and, when tracing, the layout constants) given."""
+        """``lookup`` with the state tensors (and, when tracing, the layout constants) given. Ids
+        and offsets may be int32 (TorchRec's batches are, through the exchange); the kernels take
+        int64, as fbgemm's own TBE module casts them."""
         c = constants or self.constants()
+        indices, offsets = indices.long(), offsets.long()
         if self.kernel == "triton":
             return ops.triton_tbe_lookup(
                 token, weights, momentum, lr, *(c[f"triton_{name}"] for name in LAYOUT), indices, offsets,

@@ -5,7 +5,8 @@
   ``table_wise`` / ``row_wise`` / ``column_wise`` / ``data_parallel`` helpers make them) ->
   graphshard's ``CollectionLayout``.
 - ``install``: the collection's sharded state goes under the user's module (its fused tables'
-  parameters are replaced by the TBEs), and the module's forward becomes the logical lookup
+  parameters are replaced by the TBEs; a table built on the meta device is drawn as TorchRec's
+  kernels draw one, uniformly in its config's init bounds, each rank its own shards), and the module's forward becomes the logical lookup
   ``graphshard::embedding_bags`` on the KJT, returning TorchRec's ``KeyedTensor``
   (``graphshard::embedding_seqs``, returning ``{name: JaggedTensor}``, for an
   ``EmbeddingCollection``). The module object, its class and its FQN stay the user's.
@@ -110,10 +111,17 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
 def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
     """Shards ``module``'s tables by ``layout`` on this rank and makes its forward the logical lookup."""
     tables = getattr(module, layout.attr)
+    bounds = init_bounds(module)
+    on_meta = {t.name: bounds[t.name] for t in layout.tables if tables[t.name].weight.is_meta}
+    for t in layout.tables:
+        if not t.fused and t.name in on_meta:  # a replicated table: here; the DMP syncs it from rank 0
+            with torch.no_grad():
+                weight = torch.empty_like(tables[t.name].weight, device=layout.device).uniform_(*on_meta[t.name])
+            tables[t.name].weight = nn.Parameter(weight)
     weights = {t.name: tables[t.name].weight.detach() for t in layout.tables}
     dp = {t.name: tables[t.name].weight for t in layout.tables if not t.fused}
     coll = SparseCollection(layout, weights, dp, fused_params, bounds_check,
-                            need_indices=layout.sequence and module.need_indices())
+                            need_indices=layout.sequence and module.need_indices(), inits=on_meta)
     for t in layout.tables:
         if t.fused:  # the TBE holds it now; the state dict shows it as a sharded tensor
             del tables[t.name]._parameters["weight"]
@@ -121,6 +129,14 @@ def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bou
     module._graphshard_sparse = coll
     module.forward = types.MethodType(_sequence_forward if layout.sequence else _forward, module)
     return coll
+
+
+def init_bounds(module: nn.Module) -> dict[str, tuple[float, float]]:
+    """Each table's ``(weight_init_min, weight_init_max)`` from its TorchRec config (by default
+    -+sqrt(1 / num_embeddings)): where TorchRec's sharded kernels draw a table's initial rows
+    uniformly, and so graphshard draws the rows of a table built on the meta device."""
+    configs = module.embedding_configs() if is_sequence(module) else module.embedding_bag_configs()
+    return {c.name: (c.get_weight_init_min(), c.get_weight_init_max()) for c in configs}
 
 
 def _checked_keys(layout: CollectionLayout, features) -> list[str]:

@@ -12,6 +12,7 @@ reader's next step must give the uninterrupted run's loss and parameters. CASEs:
   graphshard <-> torch both ways; leaves ``<dir>/{gs,torch}_<params>`` and ``<dir>/ref.pt``.
 - ``reshard:<dir>``: at this world size, loads the checkpoints the ``sharded`` cases left.
 - ``local:<params>:<dir>``: LOCAL_STATE_DICT save (``torch.save`` per rank) / load round trip.
+- ``ignored:<params>``: FULL_STATE_DICT with ``rank0_only`` and an ignored module, beside torch's.
 - ``legacy:<params>``: ``full_``/``sharded_optim_state_dict``, ``shard_``/``scatter_full_``,
   ``flatten_sharded_optim_state_dict``, ``rekey_optim_state_dict``.
 
@@ -354,6 +355,26 @@ def case_full(r: Result, strategy: str, params: str):
         r["info"]["torch offload_to_cpu on CPU"] = f"raises: {str(e)[:200]}"
 
 
+def case_ignored(r: Result, params: str):
+    """FULL_STATE_DICT with ``rank0_only`` and an ignored module: every rank keeps what FSDP does not
+    manage (the ignored module's parameters), as torch's FSDP1; rank 0 has everything."""
+    got = {}
+    for impl in ("gs", "torch"):
+        model = base()
+        wrapped = IMPLS[impl](model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                              use_orig_params=params == "orig", ignored_modules=[model.layers[0].ffn])
+        with IMPLS[impl].state_dict_type(wrapped, FULL, FullStateDictConfig(rank0_only=True)):
+            got[impl] = clone(wrapped.state_dict())
+    g, t = got["gs"], got["torch"]
+    kept = on_every_rank(sorted(g))
+    same_keys = on_every_rank((list(g), list(t)))
+    r.ok("gs rank0_only keys: torch's, on every rank", all(a == b for a, b in same_keys), same_keys)
+    r.ok("gs rank0_only: the other ranks keep the ignored module's parameters",
+         all(ks and all(k.startswith("layers.0.ffn.") for k in ks) for ks in kept[1:]), kept)
+    r.err("gs rank0_only state dict vs torch's, every rank", max(on_every_rank(sd_err(g, t)[0])))
+    r["info"]["rank0_only keys on the last rank"] = kept[-1]
+
+
 def case_sharded(r: Result, params: str, root: str):
     """Writers save with DCP; readers (own optimizer state first) load a checkpoint of the other kind."""
     other = "orig" if params == "flat" else "flat"
@@ -533,6 +554,8 @@ def run_case(case: str) -> dict:
         case_local(r, args[0], ":".join(args[1:]))
     elif kind == "legacy":
         case_legacy(r, args[0])
+    elif kind == "ignored":
+        case_ignored(r, args[0])
     else:
         raise ValueError(f"unknown case {case!r}")
     return r

@@ -2,7 +2,9 @@
 
 - FULL_STATE_DICT: every parameter gathered to its full shape under the user's FQN (no
   ``_fsdp_wrapped_module.``), buffers in their original dtype; ``rank0_only`` gives the other
-  ranks an empty dict, as torch does; ``offload_to_cpu`` moves the values to the CPU.
+  ranks only what FSDP does not manage (ignored modules' parameters and buffers, ignored
+  parameters; an empty dict without them), as torch does; ``offload_to_cpu`` moves the values
+  to the CPU.
 - SHARDED_STATE_DICT: the user's FQNs, each parameter this rank's shard as a DTensor over the
   FSDP mesh (``Shard(0)``; hybrid: ``(Replicate(), Shard(0))``), which
   ``torch.distributed.checkpoint`` saves and loads into any world size.
@@ -128,7 +130,7 @@ class StateDictMixin:
                     v = v.cpu()
             else:
                 continue
-            if not rank0_only:
+            if not rank0_only or key in self._unsharded_keys:
                 out[prefix + key] = v
         return out
 

@@ -101,6 +101,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         if sync_module_states:
             _broadcast_from_rank0(module, ignored)
         _original_state_dict_keys = list(module.state_dict().keys())
+        self._unsharded_keys = _ignored_keys(module, *ignored)
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}
         self._fsdp_wrapped_module = module
         full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
@@ -389,6 +390,18 @@ def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, s
         else:
             raise ValueError(f"ignored_states takes modules and parameters, got {type(x).__name__}")
     return mods, params
+
+
+def _ignored_keys(module: nn.Module, modules: set, params: set) -> set[str]:
+    """The state-dict keys FSDP does not manage: the parameters and buffers of ignored modules (and
+    everything under them) and ignored parameters. torch's FULL state dict with ``rank0_only`` keeps
+    these on every rank."""
+    keys = {fqn for fqn, p in module.named_parameters(remove_duplicate=False) if p in params}
+    for fqn, m in module.named_modules(remove_duplicate=False):
+        if m in modules:
+            pre = fqn + "." if fqn else ""
+            keys.update(pre + k for k in m.state_dict())
+    return keys
 
 
 def _policy_name(policy) -> str:

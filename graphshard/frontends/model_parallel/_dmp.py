@@ -73,6 +73,30 @@ def _dense_spec(wrapper):
     )
 
 
+def _proxies(args, kwargs) -> list[torch.fx.Proxy]:
+    """The fx proxies among the call's arguments: torch.fx is tracing it (TorchRec's training
+    pipelines trace the model to find the ``ShardedModule`` calls whose input distribution they
+    run a batch ahead). Traced as the root, ``args`` and ``kwargs`` are themselves proxies."""
+    if isinstance(args, torch.fx.Proxy) or isinstance(kwargs, torch.fx.Proxy):
+        return [a for a in (args, kwargs) if isinstance(a, torch.fx.Proxy)]
+    return [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)]
+
+
+def _call(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    return module(*args, **kwargs)
+
+
+def _opaque_call(module: nn.Module, args, kwargs) -> Any:
+    """The compiled model, as fx sees it: one call, not traced into. It holds no TorchRec
+    ``ShardedModule`` (the ids' distribution is part of the compiled program, which the compiler
+    overlaps with the dense compute itself), so a TorchRec pipeline's search finds none and the
+    pipeline calls the model as it is. Traced as the root, fx hands ``*args`` and ``**kwargs``
+    over as one proxy each; the node unpacks them when the traced graph runs."""
+    tracer = _proxies(args, kwargs)[0].tracer
+    target = tracer.create_proxy("get_attr", tracer.path_of_module(module), (), {})
+    return tracer.create_proxy("call_function", _call, (target, args, kwargs), {})
+
+
 class DistributedModelParallel(nn.Module):
     """TorchRec's ``DistributedModelParallel`` (same signature), compiled by graphshard.
 
@@ -83,8 +107,9 @@ class DistributedModelParallel(nn.Module):
     ``sharders`` supply the fused optimizer's
     ``fused_params`` (``EmbeddingBagCollectionSharder(fused_params=...)``); an
     ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
-    on the CPU, the tables keep the module's weights (``init_parameters`` only materializes
-    parameters on the meta device). ``data_parallel_wrapper`` says how the dense part is laid
+    on the CPU, the tables keep the module's weights; ``init_parameters`` materializes what is on
+    the meta device as TorchRec does (tables drawn uniformly in their init bounds, each rank its
+    shards; other modules ``reset_parameters()``, then synced from rank 0). ``data_parallel_wrapper`` says how the dense part is laid
     out: None or TorchRec's ``DefaultDataParallelWrapper`` replicate it (DDP), `FullyShardDense`
     shards it (FSDP); graphshard compiles that data parallelism itself, so other wrappers are
     refused. Keyword arguments beyond TorchRec's are `graphshard.compile`'s compile options
@@ -126,6 +151,7 @@ class DistributedModelParallel(nn.Module):
             log.info("DistributedModelParallel: no plan given; graphshard's planner chose:\n%s",
                      self._plan_estimate.format())
         self._last_forward: float | None = None
+        was_meta = [fqn for fqn, p in module.named_parameters() if p.is_meta]
         known = {f for _, fqns in found.values() for f in fqns}
         for fqn in plan.plan:
             if fqn not in known:
@@ -152,6 +178,7 @@ class DistributedModelParallel(nn.Module):
                 log.warning("DistributedModelParallel: %s", layout.kernel_note)
             self._collections.append(install(mod, layout, fused))
             self._sharded.append(torchrec_plan.Sharded(mod, tuple(fqns), mp, fused, sharder))
+        _state.materialize_meta(module, self.device, self._env.process_group, init_parameters, was_meta)
         module.to(self.device)  # the dense part (the sharded tables are already there, in their TBEs)
         self._sequence = any(c.layout.sequence for c in self._collections)
         from graphshard.frontends.model_parallel._optimizer import FusedOptimizer
@@ -188,8 +215,6 @@ class DistributedModelParallel(nn.Module):
         if self._ddp_wrapped:
             return
         module = self._dmp_wrapped_module
-        if self.init_parameters:
-            _state.materialize_meta(module, self.device)
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = DeviceMesh.from_group(self._env.process_group, self.device.type, mesh_dim_names=("dp",))
@@ -219,6 +244,8 @@ class DistributedModelParallel(nn.Module):
                 for coll in self._collections if coll.layout.dp_gathered for t in coll.plan.dp_tables]
 
     def forward(self, *args, **kwargs) -> Any:
+        if _proxies(args, kwargs):
+            return _opaque_call(self._dmp_wrapped_module, args, kwargs)
         _state.check_inputs(args, kwargs)
         if self._plan_estimate is not None:  # the measured step beside the planner's estimate (explain)
             now = time.perf_counter()

@@ -2,24 +2,55 @@
 
 from __future__ import annotations
 
+import logging
 from collections import namedtuple
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 _TBE_PREFIX = "_graphshard_tbes"
+log = logging.getLogger("graphshard.model_parallel")
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 
 
-def materialize_meta(module: nn.Module, device: torch.device) -> None:
-    for fqn, p in module.named_parameters():
-        if p.is_meta:
-            raise NotImplementedError(
-                f"parameter {fqn!r} is on the meta device; graphshard's DistributedModelParallel keeps the module's "
-                "weights, so build the model on the CPU"
-            )
+def materialize_meta(module: nn.Module, device: torch.device, group, init_parameters: bool,
+                     was_meta: list[str]) -> None:
+    """The parameters and buffers still on the meta device after the tables are sharded, as
+    TorchRec's ``init_parameters`` makes them: each module with a meta parameter gets empty ones on
+    ``device`` and its ``reset_parameters()`` (meta buffers: zeros). Every rank draws its own, so
+    the parameters made from meta ones (``was_meta``, before sharding: the dense part's, and
+    data-parallel tables', which ``install`` drew) are then broadcast from rank 0 over ``group``,
+    as DDP syncs TorchRec's at wrap time."""
+    on_meta = [fqn for fqn, p in module.named_parameters() if p.is_meta]
+    if on_meta and not init_parameters:
+        raise ValueError(
+            f"parameter {on_meta[0]!r} (and {len(on_meta) - 1} more) is on the meta device and init_parameters=False: "
+            "graphshard compiles the model at construction, so pass init_parameters=True (TorchRec's default) or "
+            "build the dense part on the device"
+        )
+    for name, mod in module.named_modules():
+        made = False
+        for pname, p in mod._parameters.items():
+            if isinstance(p, torch.Tensor) and p.is_meta:
+                mod._parameters[pname] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                made = True
+        for bname, b in mod._buffers.items():
+            if isinstance(b, torch.Tensor) and b.is_meta:
+                mod._buffers[bname] = torch.zeros_like(b, device=device)
+        if made:
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+            else:
+                log.warning("DistributedModelParallel: %s has parameters on the meta device and no reset_parameters(); "
+                            "they are left uninitialized, as TorchRec leaves them (load a checkpoint into them)",
+                            name or type(mod).__name__)
+    drawn = [p for fqn, p in module.named_parameters() if fqn in set(was_meta)]
+    with torch.no_grad():
+        for p in drawn:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
 
 def check_inputs(args, kwargs) -> None:
