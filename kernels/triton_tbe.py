@@ -173,7 +173,9 @@ def _tbe_update_kernel(
         grad += tl.reduce(g, 0, _add)
         first += BLOCK_L
 
-    update_mask = col_mask & leader
+    # the row's columns where this program leads, else none; a select, not `col_mask & leader`: Triton's
+    # 3.9 interpreter makes a block-and-scalar `&` an int32 block, which it then refuses as a mask
+    update_mask = tl.where(leader, col_mask, False)
     learning_rate = tl.load(lr_ptr).to(tl.float32)  # read on the device: a changed rate needs no new launch or host sync
     w_ptrs = weights_ptr + row_begin + cols
     w = tl.load(w_ptrs, mask=update_mask, other=0.0).to(tl.float32)

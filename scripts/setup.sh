@@ -2,7 +2,8 @@
 # Installs what graphshard needs, idempotently: torch (>= 2.11; 2.13.0 CPU build here, required),
 # graphshard itself (editable, from this checkout) and, where it can, the optional pieces: the test
 # tools (pytest, expecttest), transformers 5.24.0 (the model-coverage suite), on torch 2.13 CPU builds
-# TorchRec with fbgemm's CPU build, and triton 3.6. Safe to run on every invocation.
+# TorchRec with fbgemm's CPU build, and Triton (on CPU builds the newest, 3.9; a CUDA build keeps the
+# Triton it came with). Safe to run on every invocation.
 #
 # Fast when all is there: one Python process checks everything (package metadata, no imports of
 # torch or graphshard) and pip is not called. Works without a package index (an offline GPU
@@ -17,7 +18,8 @@ PY=${PYTHON:-python3}
 
 TORCH_PIN=2.13.0                     # what setup installs when torch >= 2.11 is missing
 TRANSFORMERS_PIN=5.24.0              # the model-coverage suite's transformers
-TRITON_PIN=3.6.0                     # the GPU machine's Triton; any 3.6 build counts (3.6.0+git...)
+TRITON_PIN=3.9.0                     # CPU builds: the newest Triton (its interpreter runs the TBE kernels);
+                                     # a CUDA build's Triton is torch's own requirement (3.6 on the GPU machine)
 # TorchRec, optional (the sparse frontend, graphshard.model_parallel), on torch 2.13 CPU builds only:
 # fbgemm-gpu-cpu 1.8.0 (the fbgemm build that loads with it) and torchrec 1.9.2 installed without
 # pip's resolver (torchrec requires the CUDA fbgemm-gpu), then what torchrec imports.
@@ -74,6 +76,15 @@ def locate(name):
     raise ModuleNotFoundError(name)
 
 
+def torch_triton():
+    """The Triton version a CUDA build of torch requires (its ``triton==X`` requirement), if any."""
+    for req in md.requires("torch") or ():
+        name, _, rest = req.partition("==")
+        if name.strip() in ("triton", "pytorch-triton") and rest:
+            return rest.split(";")[0].strip()
+    return None
+
+
 def graphshard_installed():
     """Importable from THIS checkout (passes/ and kernels/ ship inside it) with its backend entry point."""
     try:
@@ -101,8 +112,9 @@ if mode == "all":
     if (torch or "").startswith("2.13.") and "+cpu" in torch and any(version(p) != v for p, v in pins.items()):
         missing.append("torchrec")
     triton = module_version("triton")
-    if triton is None or minor(triton) != minor(triton_pin):
-        missing.append(f"triton {triton or '-'}")
+    cpu_build = "+cpu" in (torch or "")
+    if triton is None or (cpu_build and minor(triton) != minor(triton_pin)):
+        missing.append(f"triton {triton or '-'} {triton_pin if cpu_build else torch_triton() or triton_pin}")
 if not graphshard_installed():
     missing.append("graphshard")
 print("\n".join(missing))
@@ -111,14 +123,14 @@ CHECK
 
 parse() {  # sets need_* from check's output
   need_torch="" torch_have="" need_test="" test_missing="" need_transformers="" transformers_have=""
-  need_torchrec="" need_triton="" triton_have="" need_graphshard=""
+  need_torchrec="" need_triton="" triton_have="" triton_want="" need_graphshard=""
   while read -r piece rest; do
     case $piece in
       torch) need_torch=1 torch_have=$rest ;;
       test) need_test=1 test_missing=$rest ;;
       transformers) need_transformers=1 transformers_have=$rest ;;
       torchrec) need_torchrec=1 ;;
-      triton) need_triton=1 triton_have=$rest ;;
+      triton) need_triton=1 triton_have=${rest% *} triton_want=${rest##* } ;;
       graphshard) need_graphshard=1 ;;
     esac
   done <<<"$1"
@@ -230,7 +242,7 @@ fi
 
 # Triton, optional (graphshard's own TBE kernels, kernels/triton_tbe.py; on CPU they run under
 # TRITON_INTERPRET=1).
-[ -z "$need_triton" ] || pinned triton "$TRITON_PIN" "$triton_have" "the Triton TBE kernels run on it" \
+[ -z "$need_triton" ] || pinned triton "$triton_want" "$triton_have" "the Triton TBE kernels run on it" \
   "graphshard's Triton TBE kernels (kernels/triton_tbe.py) are unavailable and their tests are skipped"
 
 if [ -n "$need_graphshard" ]; then
