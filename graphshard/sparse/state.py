@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -118,14 +119,39 @@ def load_table(coll, t, value, key: str) -> None:
         value = _gather_sharded_tensor(value)
     elif isinstance(value, DTensor):
         if value.device_mesh.get_coordinate() is None:
-            return  # this rank holds none of it (and so, under the same plan, none of the table)
-        value = value.full_tensor()
+            if coll.local_pieces(t.name):
+                raise ValueError(
+                    f"{key}: the DTensor lives on ranks {value.device_mesh.mesh.flatten().tolist()}, without this rank, "
+                    "which holds a piece of the table under this plan; load across plans through "
+                    "torch.distributed.checkpoint (it reshards), or pass full tensors"
+                )
+            return  # this rank holds none of it, nor of the table
+        value = _full_tensor(value)
     if tuple(value.shape) != (t.num_embeddings, t.embedding_dim):
         raise ValueError(f"{key}: shape {tuple(value.shape)} does not match the table's "
                          f"({t.num_embeddings}, {t.embedding_dim})")
     with torch.no_grad():
         for s, piece in coll.local_pieces(t.name):
             piece.copy_(value[s.row_offset:s.row_offset + s.rows, s.col_offset:s.col_offset + s.cols])
+
+
+def _full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()`` for a mesh in any rank order. torch gathers in the process group's
+    rank order, which is ascending global ranks; a mesh whose ranks are not ascending (a
+    column-wise table whose blocks sit on ranks [1, 0]) would come back with its blocks swapped.
+    Such meshes are one-dimensional with equal blocks (``_meshes``): gathered here and put in the
+    mesh's order."""
+    ranks = value.device_mesh.mesh.flatten().tolist()
+    if ranks == sorted(ranks):
+        return value.full_tensor()
+    local = value.to_local().contiguous()
+    parts = [torch.empty_like(local) for _ in ranks]
+    dist.all_gather(parts, local, group=value.device_mesh.get_group())  # in ascending global rank order
+    by_rank = dict(zip(sorted(ranks), parts))
+    (placement,) = value.placements
+    if isinstance(placement, Replicate):
+        return by_rank[ranks[0]]
+    return torch.cat([by_rank[r] for r in ranks], dim=placement.dim)
 
 
 def load_tables(coll, state: dict, prefix: str, missing: list) -> None:

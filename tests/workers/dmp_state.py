@@ -14,6 +14,11 @@
   (plan A): the same parameter keys and per-table state names as TorchRec's; ``CombinedOptimizer``
   with a ``KeyedOptimizerWrapper`` over the dense parameters, a torch LR scheduler and a
   ``WarmupOptimizer`` set the kernels' learning rate; the combined state dict round-trips.
+- ``combined``: ``CombinedOptimizer([fused_optimizer, KeyedOptimizerWrapper(dense, Adagrad)])`` trains
+  two steps under plan A; model and combined optimizer state saved with DCP load under plan C
+  (tables moved to other sharding types and ranks, the column-wise one's blocks on ranks [1, 0]):
+  the optimizer state must equal the saved one and the next step the writer's.
+- ``combined_other_world``: run after ``combined`` on 4 ranks (state equal) or 1 (refused by name).
 - ``sequence``: the same for an ``EmbeddingCollection`` (the ``seq`` model of tests/workers/dmp.py):
   graphshard's DCP checkpoint loads under another plan (and gives the same next step) and into
   TorchRec's DMP; TorchRec's state dict, after two steps of its own, loads into graphshard's.
@@ -28,6 +33,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 import dmp as common
 from _compare import tensor_err, worst
@@ -183,6 +189,10 @@ def run(case: str) -> dict:
                 "trained": worst(tensor_err(saved[k], v) for k, v in seq.state_dict().items())}
     if case == "keyed":
         return _keyed(base, plan_a, world, rank)
+    if case == "combined":
+        return _combined_dcp(base, plan_a, out_dir, world, rank)
+    if case == "combined_other_world":
+        return _combined_other_world(out_dir, world, rank)
     if case == "interchange":
         tr = _tr(base, world)
         _init_torchrec(tr, base.state_dict())
@@ -254,6 +264,143 @@ def _keyed(base, plan_a, world: int, rank: int) -> dict:
     restored = moved_from_saved()
     out.update(state_changed_by_step=changed, state_restored_err=restored)
     return out
+
+
+def _plan_c(module, world):
+    """Plan A's tables moved where each one's optimizer state keeps its meaning: table-wise to
+    row-wise and back, to other ranks; the column-wise table keeps its blocks (row-wise Adagrad
+    keeps one value per row *per column block*, so a table's state loads only where it has the
+    same blocks); the data-parallel table stays in the dense optimizer."""
+    from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan, data_parallel,
+                                                    row_wise, table_wise)
+    from torchrec.distributed.types import ShardingPlan
+
+    f = "fused"
+    sharding = {"t_tw": row_wise(compute_kernel=f), "t_mean": table_wise(rank=world - 1, compute_kernel=f),
+                "t_rw": table_wise(rank=0, compute_kernel=f), "t_cw": column_wise(ranks=[1, 0], compute_kernel=f),
+                "t_dp": data_parallel()}
+    ebc = module.sparse_arch.embedding_bag_collection
+    return ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding=sharding, world_size=world, device_type="cpu")})
+
+
+def _plan_world(module, world):
+    """Plan A at another world size (at least 2), the column-wise table kept in two blocks (on ranks 0
+    and 1) so its optimizer state keeps its meaning; on one rank it is table-wise."""
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import data_parallel
+    from torchrec.distributed.types import ShardingPlan
+
+    f = "fused"
+    sharding = {"t_tw": table_wise(rank=0, compute_kernel=f), "t_mean": table_wise(rank=world - 1, compute_kernel=f),
+                "t_rw": row_wise(compute_kernel=f),
+                "t_cw": column_wise(ranks=[0, 1], compute_kernel=f) if world > 1 else table_wise(rank=0, compute_kernel=f),
+                "t_dp": data_parallel()}
+    ebc = module.sparse_arch.embedding_bag_collection
+    return ShardingPlan({"sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+        ebc, per_param_sharding=sharding, world_size=world, device_type="cpu")})
+
+
+def _combined(gs):
+    """TorchRec's combination: the fused tables' optimizer and Adagrad over the dense part."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(gs.named_parameters())),
+                                  lambda params: torch.optim.Adagrad(params, lr=common.LR))
+    return CombinedOptimizer([gs.fused_optimizer, dense])
+
+
+def _train_combined(gs, optimizer, steps, rank: int, world: int) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = common.batch(MODEL, step, rank)
+        loss = common.loss_of(gs(*x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    return losses
+
+
+def _optim_full(optimizer) -> dict:
+    """Every tensor of ``optimizer``'s state as a full tensor, by "<param>/<state>", on every rank.
+    A rank's fused state holds only its tables, so pieces travel as objects (no per-table collective)."""
+    from torch.distributed.tensor import Replicate
+
+    mine = {}
+    for k, d in optimizer.state_dict()["state"].items():
+        for n, v in d.items():
+            if not torch.is_tensor(v):
+                continue
+            if not isinstance(v, DTensor):
+                mine[f"{k}/{n}"] = (tuple(v.shape), [([0] * v.dim(), v.detach().clone())])
+                continue
+            coord, p = v.device_mesh.get_coordinate(), v.placements[0]
+            start = [0] * v.dim()
+            if coord is not None and not isinstance(p, Replicate):
+                chunk = -(-v.shape[p.dim] // v.device_mesh.size())
+                start[p.dim] = min(chunk * coord[0], v.shape[p.dim])
+            mine[f"{k}/{n}"] = (tuple(v.shape), [(start, v.to_local().detach().clone())])
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out = {}
+    for part in parts:
+        for key, (shape, pieces) in part.items():
+            full = out.setdefault(key, torch.zeros(shape))
+            for start, t in pieces:
+                full[tuple(slice(a, a + n) for a, n in zip(start, t.shape))] = t
+    return out
+
+
+def _combined_dcp(base, plan_a, out_dir: str, world: int, rank: int) -> dict:
+    """The combined optimizer's state (fused tables and dense part) saved with DCP under plan A,
+    loaded under plan C; the reader's next step is the writer's."""
+    gs = _gs(base, plan_a, world)
+    opt = _combined(gs)
+    _train_combined(gs, opt, range(2), rank, world)
+    saved_optim = _optim_full(opt)
+    path = os.path.join(out_dir, "combined")
+    dcp.save({"model": gs.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
+    if rank == 0:
+        torch.save(saved_optim, os.path.join(out_dir, "combined_optim.pt"))
+    reader = _gs(_reader(), _plan_c, world)
+    reader_opt = _combined(reader)
+    _train_combined(reader, reader_opt, range(5, 6), rank, world)  # its own optimizer state first
+    start = _diff(_optim_full(reader_opt), saved_optim)
+    both = {"model": reader.state_dict(), "optim": reader_opt.state_dict()}
+    dcp.load(both, checkpoint_id=path)
+    reader.load_state_dict(both["model"])
+    reader_opt.load_state_dict(both["optim"])
+    loaded = _diff(_optim_full(reader_opt), saved_optim)
+    next_a = _train_combined(gs, opt, range(2, 3), rank, world)
+    next_b = _train_combined(reader, reader_opt, range(2, 3), rank, world)
+    return {"case": "combined", "optim_keys": len(saved_optim), "reader_optim_start_diff": start,
+            "optim_reshard_diff": loaded, "next_loss_diff": abs(next_a[0] - next_b[0]),
+            "next_state_diff": _diff(_full_state(reader), _full_state(gs)),
+            "next_optim_diff": _diff(_optim_full(reader_opt), _optim_full(opt))}
+
+
+def _combined_other_world(out_dir: str, world: int, rank: int) -> dict:
+    """The 2-rank ``combined`` checkpoint, model and combined optimizer state, on this world size. On
+    one rank the column-wise table has one block, where row-wise Adagrad's state has two: DCP must
+    refuse it, naming the entry."""
+    saved = torch.load(os.path.join(out_dir, "combined_optim.pt"))
+    gs = _gs(_reader(), _plan_world, world)
+    opt = _combined(gs)
+    both = {"model": gs.state_dict(), "optim": opt.state_dict()}
+    if world == 1:  # the column-wise table is one block here: its per-block state cannot load, by name
+        try:
+            dcp.load(both, checkpoint_id=os.path.join(out_dir, "combined"))
+        except dcp.CheckpointException as e:  # DCP's wrapper of each rank's error (a ValueError here)
+            return {"case": "combined_other_world", "world": world, "refused": str(e)}
+        return {"case": "combined_other_world", "world": world, "refused": None}
+    dcp.load(both, checkpoint_id=os.path.join(out_dir, "combined"))
+    gs.load_state_dict(both["model"])
+    opt.load_state_dict(both["optim"])
+    return {"case": "combined_other_world", "world": world, "optim_reshard_diff": _diff(_optim_full(opt), saved)}
 
 
 def _copy(v):
