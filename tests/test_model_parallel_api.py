@@ -233,3 +233,27 @@ def _module_plan_seq(ec):
     return construct_module_sharding_plan(ec, per_param_sharding={"a": table_wise(rank=0, compute_kernel=FUSED),
                                                                   "b": table_wise(rank=1, compute_kernel=FUSED)},
                                           world_size=dist.get_world_size(), device_type="cpu")
+
+
+@pytest.mark.parametrize("cls,kwargs,match", [
+    (torch.optim.Adam, {"lr": 0.1},
+     r"query\.ebc: apply_optimizer_in_backward\(torch\.optim\.adam\.Adam\).*torch\.optim\.SGD, torch\.optim\.Adagrad, "
+     r"torchrec\.optim\.RowWiseAdagrad"),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, r"query\.ebc: in-backward optimizer SGD\(momentum=0\.9\).*drop momentum"),
+])
+def test_in_backward_optimizer_without_a_fused_kernel_is_refused(cls, kwargs, match):
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    model = TwoTower()
+    apply_optimizer_in_backward(cls, model.query.ebc.parameters(), kwargs)
+    with pytest.raises(NotImplementedError, match=match):
+        _dmp(model, ShardingPlan({"query.ebc": _module_plan(model.query.ebc)}))
+
+
+def test_in_backward_optimizer_arguments_at_their_defaults_are_accepted():
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    model = TwoTower()
+    apply_optimizer_in_backward(torch.optim.SGD, model.query.ebc.parameters(), {"lr": 0.1, "momentum": 0.0})
+    dmp = _dmp(model, ShardingPlan({"query.ebc": _module_plan(model.query.ebc)}))
+    assert [g["lr"] for g in dmp.fused_optimizer.param_groups] == [pytest.approx(0.1)]

@@ -12,10 +12,13 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass
 
 import torch.nn as nn
+
+from graphshard.sparse.fused_tbe import optimizer_name
 
 log = logging.getLogger("graphshard.model_parallel")
 
@@ -86,13 +89,31 @@ def fused_params_of(module: nn.Module, fqn: str, sharder) -> dict:
             )
         cls, kwargs = next(iter(in_backward.values()))
         kwargs = dict(kwargs)
-        params["optimizer"] = optimizer_type_to_emb_opt_type(cls)
+        try:
+            emb = optimizer_type_to_emb_opt_type(cls)
+            optimizer_name(emb)
+        except (ValueError, KeyError, NotImplementedError):
+            raise NotImplementedError(
+                f"{fqn}: apply_optimizer_in_backward({cls.__module__}.{cls.__qualname__}) on its tables: graphshard's "
+                f"fused kernels implement {', '.join(IN_BACKWARD)}; use one of them for the tables (or give the "
+                "tables no in-backward optimizer and fused_params={'optimizer': ...} on the sharder)"
+            ) from None
+        params["optimizer"] = emb
         if "lr" in kwargs:
             params["learning_rate"] = kwargs.pop("lr")
         for k in ("eps", "weight_decay"):
             if k in kwargs:
                 params[k] = kwargs.pop(k)
-        for k in ("initial_accumulator_value", "lr_decay"):
-            if kwargs.get(k, 0) != 0:
-                raise NotImplementedError(f"{fqn}: in-backward optimizer argument {k}={kwargs[k]} has no fbgemm equivalent")
+        defaults = inspect.signature(cls).parameters
+        for k, v in kwargs.items():  # what the kernels cannot do is refused, unless it is the class's default
+            if k not in defaults or defaults[k].default != v:
+                raise NotImplementedError(
+                    f"{fqn}: in-backward optimizer {cls.__name__}({k}={v!r}) has no equivalent in graphshard's fused "
+                    f"kernels; drop {k} (its default is {defaults[k].default!r})" if k in defaults else
+                    f"{fqn}: in-backward optimizer {cls.__name__} got {k}={v!r}, which it does not take")
     return params
+
+
+IN_BACKWARD = ("torch.optim.SGD", "torch.optim.Adagrad", "torchrec.optim.RowWiseAdagrad")
+"""The optimizer classes ``apply_optimizer_in_backward`` may put on sharded tables (fbgemm's EXACT_SGD,
+EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD, which graphshard's fbgemm op and Triton TBE implement)."""

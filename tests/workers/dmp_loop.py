@@ -43,7 +43,7 @@ def _model(on: str):
     from torchrec.models.dlrm import DLRM, DLRMTrain
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     torch.manual_seed(0)
