@@ -31,6 +31,7 @@ def test_torchrecs_loop_trains_as_the_single_process(loop):
     # the same loss at every step of TorchRec's pipeline, LR schedule included, and the same
     # tables and dense parameters at the end
     _same_training(loop["cpu"])
+    assert loop["cpu"]["base_pipeline_reference_diff"] <= TOL, loop["cpu"]  # TrainPipelineBase too
 
 
 def test_torchrecs_default_plan_leaves_the_single_process(loop):

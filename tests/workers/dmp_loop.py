@@ -11,7 +11,7 @@ batches of ``RandomRecDataset`` through a ``DataLoader`` (each rank its own stre
   on the same plan start from the module's weights (TorchRec re-draws its tables on the CPU: they
   are copied in). Both must give the single process's loss at every step, the same losses as
   each other and the same state at the end. TorchRec's DMP with its own default planner runs
-  too, for the record.
+  too, for the record, and graphshard's DMP under TorchRec's ``TrainPipelineBase``.
 - ``meta``: the whole model built on the meta device, as TorchRec's DMP docstring builds it; each
   DMP initializes it (``init_parameters=True``). graphshard's rows must lie in the tables' init
   bounds and fill them, and its dense parameters agree over ranks. Then graphshard's DMP loads
@@ -74,9 +74,9 @@ def _loader(rank: int | None = None):
     return DataLoader(data, batch_size=None, batch_sampler=None)
 
 
-def _train(dmp) -> list[float]:
+def _train(dmp, pipeline_class: str = "TrainPipelineSparseDist") -> list[float]:
     """TorchRec's loop: its optimizers around the DMP, its pipeline driving it. The losses of this rank."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed import train_pipeline
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
@@ -84,7 +84,7 @@ def _train(dmp) -> list[float]:
                                   lambda params: torch.optim.Adagrad(params, lr=LR))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+    pipeline = getattr(train_pipeline, pipeline_class)(dmp, optimizer, torch.device("cpu"))
     batches = iter(_loader())
     losses = []
     for _ in range(STEPS):
@@ -220,6 +220,9 @@ def run(case: str) -> dict:
         out["torchrec_default_plan"] = _plan_of(tr_default)
         out["torchrec_default_reference_diff"] = max(
             abs(x - y) for x, y in zip(_mean_over_ranks(_train(tr_default)), out["reference_losses"]))
+        # TorchRec's base pipeline (no input distribution ahead) drives graphshard's DMP too
+        base = _mean_over_ranks(_train(_dmp("graphshard", _model("cpu")), "TrainPipelineBase"))
+        out["base_pipeline_reference_diff"] = max(abs(x - y) for x, y in zip(base, out["reference_losses"]))
         return out
     if case == "meta":
         gs = _dmp("graphshard", _model("meta"))
