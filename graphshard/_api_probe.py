@@ -109,6 +109,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._dynamo.utils.counters", "tests (_compat.dynamo_counters)"),
     ("torch._dynamo.reset", "tests/conftest.py"),
     ("torch._dynamo.mark_static", "passes/localize_shapes.py (named in its error message)"),
+    ("torch._C._dispatch_has_kernel_for_dispatch_key",
+     "sparse/torchrec.py (_compat.has_autograd_kernel: fbgemm's permute_pooled_embs gets a derivative)"),
     # aot_autograd and the partitioner
     ("torch._functorch.aot_autograd.aot_module_simplified", "backend.py (_compat.aot_module_simplified)"),
     ("torch._functorch.aot_autograd.aot_module_simplified(fw_compiler=)", "backend.py"),

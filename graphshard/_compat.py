@@ -235,6 +235,12 @@ def strided_shard(dim: int, split_factor: int):
     return _StridedShard(dim, split_factor=split_factor)
 
 
+def has_autograd_kernel(op_name: str) -> bool:
+    """Whether the operator ``namespace::name`` has a kernel for the Autograd dispatch key (its own
+    derivative), as opposed to torch's fallback, which gives its inputs no gradient."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op_name, "Autograd")
+
+
 def in_autograd_backward() -> bool:
     """Whether this thread is running an autograd backward pass."""
     return torch._C._current_graph_task_id() != -1

@@ -194,3 +194,41 @@ def test_a_fake_tensor_failure_stops_the_compile_instead_of_running_eagerly():
     gm = fx.symbolic_trace(lambda x: torch.nonzero(x))  # sizes only the data knows; no shape env to hold them
     with pytest.raises(RuntimeError, match=r"(?s)graphshard could not trace this graph \(DynamicOutputShapeException.*silent fallback"):
         graphshard_backend(gm, [torch.tensor([0.0, 1.0])])
+
+
+_NO_DERIVATIVE_LIB = None
+
+
+def _op_without_derivative():
+    """``gstest::twice``: a custom op with CPU and fake kernels and no autograd kernel, as fbgemm's
+    ``permute_pooled_embs`` is (its gradient lives in a C++ wrapper op the ATen trace goes below)."""
+    global _NO_DERIVATIVE_LIB
+    if _NO_DERIVATIVE_LIB is None:
+        lib = torch.library.Library("gstest", "DEF")
+        lib.define("twice(Tensor x) -> Tensor")
+        lib.impl("twice", lambda x: x * 2, "CPU")
+        torch.library.register_fake("gstest::twice", lambda x: torch.empty_like(x), lib=lib)
+        _NO_DERIVATIVE_LIB = lib
+    return torch.ops.gstest.twice
+
+
+def test_an_op_without_a_derivative_is_an_error_not_a_dropped_gradient():
+    # torch's autograd fallback only warns and gives the op's inputs no gradient: the layer before it
+    # would silently stop training. The compile refuses, naming the op.
+    import pytest
+
+    twice = _op_without_derivative()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return twice(self.lin(x)).sum()
+
+    model = Model()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.Replicate()}), lower="eager")
+    with pytest.raises(Exception, match=r"differentiates an op with no derivative.*gstest::twice: an autograd kernel "
+                                        r"was not registered"):
+        model(torch.randn(2, 4))

@@ -15,6 +15,7 @@ backend
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -23,6 +24,7 @@ import logging
 import os
 import re
 import time
+import warnings
 
 from dataclasses import dataclass
 from typing import Callable
@@ -400,14 +402,39 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     decomps = dict(decompositions())
     if config.lower == "inductor":
         decomps = {**_compat.inductor_decompositions(), **decomps}
-    return _compat.aot_module_simplified(
-        gm,
-        fake_inputs,
-        fw_compiler=stage_compiler("forward"),
-        bw_compiler=stage_compiler("backward"),
-        partition_fn=partition,
-        decompositions=decomps,
-    )
+    with _no_dropped_gradients():
+        return _compat.aot_module_simplified(
+            gm,
+            fake_inputs,
+            fw_compiler=stage_compiler("forward"),
+            bw_compiler=stage_compiler("backward"),
+            partition_fn=partition,
+            decompositions=decomps,
+        )
+
+
+_NO_DERIVATIVE = "autograd kernel was not registered"
+
+
+@contextlib.contextmanager
+def _no_dropped_gradients():
+    """aot_autograd differentiates the ATen graph. An op there with no derivative of its own (a
+    custom op whose gradient lives only in a C++ autograd wrapper the ATen trace went below, as
+    fbgemm's ``permute_pooled_embs_auto_grad`` around ``permute_pooled_embs``) gets no gradient:
+    torch's autograd fallback only warns, and the parameters behind it silently stop training.
+    That warning is an error here, naming the op."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=f".*{_NO_DERIVATIVE}")
+        try:
+            yield
+        except (UserWarning, RuntimeError) as e:
+            if _NO_DERIVATIVE not in str(e):
+                raise
+            raise NotImplementedError(
+                f"the compiled program differentiates an op with no derivative, so the tensors before it would get no "
+                f"gradient: {str(e).split('. ')[0]}. graphshard traced below an autograd wrapper that holds the "
+                "op's gradient; register the op's derivative (torch.library.register_autograd) or report it"
+            ) from e
 
 
 def _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx: PassContext) -> dict:

@@ -19,6 +19,7 @@ import types
 import torch
 import torch.nn as nn
 
+from graphshard import _compat
 from graphshard.sparse.fused_tbe import choose_kernel
 from graphshard.sparse.collection import SparseCollection
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
@@ -108,8 +109,38 @@ def collection_layout(module: nn.Module, fqns: tuple[str, ...], module_plan: dic
                             dp_gathered=not sequence)
 
 
+def _permute_pooled_embs_setup(ctx, inputs, output) -> None:
+    _, offsets, permute, inv_offsets, inv_permute = inputs
+    ctx.save_for_backward(offsets, permute, inv_offsets, inv_permute)
+
+
+def _permute_pooled_embs_backward(ctx, grad):
+    offsets, permute, inv_offsets, inv_permute = ctx.saved_tensors
+    # the inverse permutation of the gradient's columns: fbgemm's own backward of
+    # permute_pooled_embs_auto_grad (PermutePooledEmbsFunction), the offsets and permutes swapped
+    return torch.ops.fbgemm.permute_pooled_embs(grad, inv_offsets, inv_permute, offsets, permute), None, None, None, None
+
+
+def differentiable_fbgemm_ops() -> None:
+    """Gives ``fbgemm::permute_pooled_embs`` an autograd formula (idempotent). TorchRec's
+    ``KeyedTensor.regroup`` calls ``permute_pooled_embs_auto_grad``, whose autograd kernel is a C++
+    autograd function around ``permute_pooled_embs``, an op with no derivative of its own. graphshard
+    traces the model to ATen before aot_autograd differentiates it, and that trace runs below
+    autograd: it records the inner op, whose gradient autograd's fallback then dropped with a
+    warning (the pooled embeddings, and so the tables, got no gradient through a regroup). With
+    this formula the inner op differentiates as the outer one does; eager code is unchanged (the
+    outer op's kernel calls the inner one below autograd)."""
+    name = "fbgemm::permute_pooled_embs"
+    if not hasattr(torch.ops, "fbgemm") or not hasattr(torch.ops.fbgemm, "permute_pooled_embs"):
+        return
+    if _compat.has_autograd_kernel(name):
+        return  # fbgemm's own (a newer fbgemm), or ours from an earlier call
+    torch.library.register_autograd(name, _permute_pooled_embs_backward, setup_context=_permute_pooled_embs_setup)
+
+
 def install(module: nn.Module, layout: CollectionLayout, fused_params: dict, bounds_check: bool = True) -> SparseCollection:
     """Shards ``module``'s tables by ``layout`` on this rank and makes its forward the logical lookup."""
+    differentiable_fbgemm_ops()
     tables = getattr(module, layout.attr)
     bounds = init_bounds(module)
     on_meta = {t.name: bounds[t.name] for t in layout.tables if tables[t.name].weight.is_meta}

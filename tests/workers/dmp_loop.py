@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import dmp as common
+from dmp_state import _init_torchrec
 from _compare import tensor_err, worst
 from _runner import run_cases
 
@@ -167,19 +168,6 @@ def _mean_over_ranks(losses: list[float]) -> list[float]:
     t = torch.tensor(losses, dtype=torch.float64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
-
-
-def _init_torchrec(tr, init: dict) -> None:
-    """TorchRec re-initializes its tables on the CPU (sharded and data-parallel ones): start from the
-    module's weights."""
-    with torch.no_grad():
-        for k, v in tr.state_dict().items():
-            if common._compat_sharded(v):
-                for s in v.local_shards():
-                    (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
-                    s.tensor.copy_(init[k][r:r + nr, c:c + nc])
-            else:
-                v.copy_(init[k])
 
 
 def _meta_init(gs) -> dict:

@@ -88,13 +88,16 @@ def _seq_plan_b(module, world):
 
 
 def _init_torchrec(tr, init: dict) -> None:
-    """TorchRec re-initializes its shards on the CPU: start from the module's weights."""
+    """TorchRec re-initializes its tables on the CPU (sharded and data-parallel ones): start from the
+    module's weights."""
     with torch.no_grad():
         for k, v in tr.state_dict().items():
             if common._compat_sharded(v):
                 for s in v.local_shards():
                     (r, c), (nr, nc) = s.metadata.shard_offsets, s.metadata.shard_sizes
                     s.tensor.copy_(init[k][r:r + nr, c:c + nc])
+            else:
+                v.copy_(init[k])
 
 
 def _reader(model: str = MODEL):
