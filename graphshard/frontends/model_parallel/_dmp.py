@@ -109,8 +109,8 @@ class DistributedModelParallel(nn.Module):
     ``apply_optimizer_in_backward`` optimizer on the tables takes precedence. Unlike TorchRec
     on the CPU, the tables keep the module's weights; ``init_parameters`` materializes what is on
     the meta device as TorchRec does (tables drawn uniformly in their init bounds, each rank its
-    shards; other modules ``reset_parameters()``, then synced from rank 0). ``data_parallel_wrapper`` says how the dense part is laid
-    out: None or TorchRec's ``DefaultDataParallelWrapper`` replicate it (DDP), `FullyShardDense`
+    shards; other modules ``reset_parameters()``, then synced from rank 0).
+    ``data_parallel_wrapper`` says how the dense part is laid out: None or TorchRec's ``DefaultDataParallelWrapper`` replicate it (DDP), `FullyShardDense`
     shards it (FSDP); graphshard compiles that data parallelism itself, so other wrappers are
     refused. Keyword arguments beyond TorchRec's are `graphshard.compile`'s compile options
     (``lower="eager"``, ``dump_graphs=...``).
