@@ -47,7 +47,8 @@ def materialize_meta(module: nn.Module, device: torch.device, group, init_parame
                 log.warning("DistributedModelParallel: %s has parameters on the meta device and no reset_parameters(); "
                             "they are left uninitialized, as TorchRec leaves them (load a checkpoint into them)",
                             name or type(mod).__name__)
-    drawn = [p for fqn, p in module.named_parameters() if fqn in set(was_meta)]
+    was_meta = set(was_meta)
+    drawn = [p for fqn, p in module.named_parameters() if fqn in was_meta]
     with torch.no_grad():
         for p in drawn:
             dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
