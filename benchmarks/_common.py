@@ -272,6 +272,24 @@ def _cpu_profiled_peak_delta(fn: Callable[[], Any], marks: Sequence[str] = ()) -
     return peak, unseen, at_marks
 
 
+SNAPSHOT_ENV = "GS_BENCH_MEMORY_SNAPSHOT"
+"""A path prefix: `step_memory` on a GPU records the measured step's allocations and writes
+``<prefix>.rank<r>.pickle`` (open it with ``benchmarks/mem_at_peak.py`` or pytorch.org/memory_viz)."""
+
+
+def _dump_snapshot(prefix: str, rank: int, resident: int, peak: int) -> None:
+    import pickle
+
+    from graphshard._compat import cuda_memory_history, cuda_memory_snapshot
+
+    snap = cuda_memory_snapshot()
+    cuda_memory_history(False)
+    snap["graphshard_bench"] = {"resident": resident, "peak": peak}
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(f"{prefix}.rank{rank}.pickle", "wb") as f:
+        pickle.dump(snap, f)
+
+
 def step_memory(ctx: DistCtx, fn: Callable[[], Any], marks: Sequence[str] = ()) -> dict[str, Any]:
     """Live tensor memory of one call of ``fn`` (one training step), in bytes.
 
@@ -294,11 +312,18 @@ def step_memory(ctx: DistCtx, fn: Callable[[], Any], marks: Sequence[str] = ()) 
     if ctx.device_type == "cuda":
         sync(ctx.device)
         resident = torch.cuda.memory_allocated(ctx.device)
+        snapshot = os.environ.get(SNAPSHOT_ENV)
+        if snapshot:
+            from graphshard._compat import cuda_memory_history
+
+            cuda_memory_history(True)
         torch.cuda.reset_peak_memory_stats(ctx.device)
         _CUDA_MARKS.clear()
         fn()
         sync(ctx.device)
         peak = torch.cuda.max_memory_allocated(ctx.device)
+        if snapshot:
+            _dump_snapshot(snapshot, ctx.rank, resident, peak)
         at = {m: _CUDA_MARKS[m] - resident for m in marks if m in _CUDA_MARKS}
         return {"peak": peak, "resident": resident, "above_resident": peak - resident, "unseen_free": 0,
                 "at_marks": at, "method": "cuda.max_memory_allocated"}

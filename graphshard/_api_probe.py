@@ -193,6 +193,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch.nn.Module()._non_persistent_buffers_set", "fsdp/_state_dict.py"),
     ("torch.utils._pytree.tree_map_only", "fsdp/_wrapper.py (mixed-precision casts)"),
     ("torch.utils._pytree.tree_leaves", "fsdp/_wrapper.py (mixed-precision casts)"),
+    # the CUDA allocator's history (benchmarks' GS_BENCH_MEMORY_SNAPSHOT)
+    ("torch.cuda.memory._record_memory_history(stacks=)", "benchmarks/_common.py (_compat.cuda_memory_history)"),
+    ("torch.cuda.memory._record_memory_history(max_entries=)", "benchmarks/_common.py (_compat.cuda_memory_history)"),
+    ("torch.cuda.memory._snapshot", "benchmarks/_common.py (_compat.cuda_memory_snapshot)"),
 ))
 """Every private torch name graphshard uses, with who uses it (see the syntax above); a gated one
 (graphshard checks for it and does without) says what it does without it."""

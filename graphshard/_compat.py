@@ -383,3 +383,16 @@ def inductor_async_compile():
     from torch._inductor.async_compile import AsyncCompile
 
     return AsyncCompile
+
+
+def cuda_memory_history(enabled: bool) -> None:
+    """Starts (python stacks of every allocation) or stops the CUDA caching allocator's allocation
+    history (``torch.cuda.memory._record_memory_history``): what `cuda_memory_snapshot` reports."""
+    torch.cuda.memory._record_memory_history(enabled="all" if enabled else None, context="all" if enabled else None,
+                                             stacks="python", max_entries=1_000_000)
+
+
+def cuda_memory_snapshot() -> dict:
+    """The allocator's segments and the allocation history recorded since `cuda_memory_history`
+    (``torch.cuda.memory._snapshot``; ``device_traces`` holds the alloc and free events)."""
+    return torch.cuda.memory._snapshot()

@@ -50,11 +50,11 @@ SECTION_DIR = os.path.join(HERE, "gpu_check")
 SECTIONS = [
     ("versions", "check_versions", "versions and API probe", 25, 60, {}),
     ("tbe", "check_tbe", "Triton TBE vs the torch reference", 60, 400, {"TRITON_INTERPRET": "1"}),
-    ("demo", "check_demo", "the demo on one GPU", 45, 300, {}),
+    ("demo", "check_demo", "the demo on one GPU", 60, 300, {}),
     ("frontends", "check_frontends", "graphshard.fsdp and graphshard.tensor_parallel vs the single process", 40, 300,
      {}),
     ("llama", "check_llama", "HF Llama: FullyShard vs torch's fully_shard", 100, 600, {}),
-    ("world4", "check_world4", "FSDP + TP and sharded embeddings at world 4 (fake process group)", 95, 600,
+    ("world4", "check_world4", "FSDP + TP and sharded embeddings at world 4 (fake process group)", 120, 600,
      {"TRITON_INTERPRET": "1"}),
     ("throughput", "check_throughput", "throughput: graphshard vs FSDP2 + torch.compile", 140, 500, {}),
 ]

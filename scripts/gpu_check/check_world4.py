@@ -325,7 +325,7 @@ def run(res, dry: bool) -> None:
                                ("sparse", 15, lambda: sparse(res, cfg, dev)),
                                ("sparse_world1", 20, lambda: sparse_world1(res, cfg, dev, dry)),
                                ("dmp", 15, lambda: dmp(res, cfg, dev)),
-                               ("dmp_world1", 25, lambda: dmp_world1(res, dry))):
+                               ("dmp_world1", 40, lambda: dmp_world1(res, dry))):
         with res.part(name):
             res.need(need_s * scale)  # seconds on an H100, compile included
             part()
