@@ -35,6 +35,7 @@ so resharding it would only gather it again at once, an all-gather with nothing 
 from __future__ import annotations
 
 import operator
+import re
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -69,13 +70,69 @@ def _gathered(gm: fx.GraphModule) -> set[fx.Node]:
 
 
 def _number_regions(gm: fx.GraphModule, gathered: set[fx.Node]) -> int:
-    """Renumbers the trace's AC regions 1, 2, ... in program order; returns how many there are."""
-    numbers: dict = {}
-    for node in gm.graph.nodes:
-        if node in gathered or "ac_graph_id" not in node.meta or "recompute" not in node.meta:
-            continue
-        node.meta["ac_graph_id"] = numbers.setdefault(node.meta["ac_graph_id"], len(numbers) + 1)
-    return len(numbers)
+    """Renumbers the trace's AC regions 1, 2, ... in program order; returns how many there are.
+
+    A checkpoint nested in another takes the outer region's number, as torch >= 2.13's trace
+    gives it. torch 2.11 numbers it apart, and the partitioner then saves the values that cross
+    the inner boundary (more saved bytes, fewer ops recomputed). Nested means: its ops lie within
+    the outer region's, or it comes right after the outer region's last op and is inside the
+    outer's module (a checkpoint that is the last thing its outer checkpointed function does).
+    Merging is always numerically safe: it only lets the backward recompute more."""
+    tagged = [(i, n) for i, n in enumerate(gm.graph.nodes)
+              if n not in gathered and "ac_graph_id" in n.meta and "recompute" in n.meta]
+    spans: dict = {}  # the trace's number -> [first index, last index, module FQNs]
+    for i, node in tagged:
+        span = spans.setdefault(node.meta["ac_graph_id"], [i, i, []])
+        span[1] = i
+        if (fqn := module_of(node)) is not None:
+            span[2].append(fqn)
+    roots: dict = {}  # outermost regions in program order -> [first, last, label]
+    outer: dict = {}
+    for raw in sorted(spans, key=lambda r: spans[r][0]):
+        first, last, fqns = spans[raw]
+        label = common_prefix(fqns)
+        prev = next(reversed(roots), None)
+        if prev is not None:
+            p_first, p_last, p_label = roots[prev]
+            inside = p_first <= first and last <= p_last
+            trailing = bool(label and p_label) and label.startswith(p_label + ".")
+            if inside or trailing:
+                outer[raw] = prev
+                roots[prev][1] = max(p_last, last)
+                continue
+        roots[raw] = [first, last, label]
+    numbers = {raw: i for i, raw in enumerate(roots, 1)}
+    for _, node in tagged:
+        raw = node.meta["ac_graph_id"]
+        node.meta["ac_graph_id"] = numbers[outer.get(raw, raw)]
+    return len(roots)
+
+
+def module_of(node: fx.Node) -> str | None:
+    """The FQN of the innermost module ``node`` was traced in (from dynamo's ``nn_module_stack``)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    return _fqn(list(stack.values())[-1][0])
+
+
+def _fqn(path: str) -> str:
+    """dynamo's module path (``L['self'].layers[0].attn``, ``L['self']._modules['layers']``) as an FQN."""
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", "." + path).lstrip(".")
+    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
+
+
+def common_prefix(fqns: list[str]) -> str:
+    """The longest dotted prefix the FQNs share ("" for none)."""
+    if not fqns:
+        return ""
+    out = []
+    for names in zip(*(f.split(".") for f in fqns)):
+        if len(set(names)) != 1:
+            break
+        out.append(names[0])
+    return ".".join(out)
 
 
 def _selective_regions(gm: fx.GraphModule) -> set[int]:

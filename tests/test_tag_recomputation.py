@@ -87,3 +87,55 @@ getitem_2: MUST_SAVE""")
         self.assertEqual(g["forward"].count("all_gather_into_tensor.default("), 2)
         self.assertEqual(g["backward"].count("all_gather_into_tensor.default("), 1)
         self.assertIn("Annotation: {'graphshard_unit': 'layers.0'} ac_graph_id: 2 - MUST_RECOMPUTE", g["backward"])
+
+
+def _region_graph(spec):
+    """A chain of relu nodes, one per ``(trace number, module path)`` (None: untagged), as dynamo's
+    trace tags them."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = []
+    for number, path in spec:
+        x = g.call_function(torch.relu, (x,))
+        if number is not None:
+            x.meta.update(recompute=CheckpointPolicy.PREFER_RECOMPUTE, ac_graph_id=number,
+                          nn_module_stack={path: (path, torch.nn.Module)})
+        nodes.append(x)
+    g.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), g), nodes
+
+
+class TestRegionNumbers(TestCase):
+    """torch 2.11's trace numbers a checkpoint nested in another apart (torch 2.13's does not);
+    the pass gives it the outer region's number either way."""
+
+    def numbers(self, spec):
+        from graphshard.passes.tag_recomputation import _number_regions
+
+        gm, nodes = _region_graph(spec)
+        count = _number_regions(gm, set())
+        return count, [n.meta.get("ac_graph_id") for n in nodes]
+
+    def test_nested_inside_takes_the_outer_number(self):
+        spec = [(40, "L['self'].layers[0].a"), (41, "L['self'].layers[0].ffn.w1"), (41, "L['self'].layers[0].ffn.w2"),
+                (40, "L['self'].layers[0]"), (42, "L['self'].layers[1].a"), (43, "L['self'].layers[1].ffn.w1"),
+                (42, "L['self'].layers[1]")]
+        self.assertEqual(self.numbers(spec), (2, [1, 1, 1, 1, 2, 2, 2]))
+
+    def test_nested_at_the_outer_end_takes_the_outer_number(self):
+        # the block's own op (a residual add) then its checkpointed ffn, the last thing it does
+        spec = [(7, "L['self'].layers[0]"), (8, "L['self'].layers[0].ffn.w1"), (8, "L['self'].layers[0].ffn.w2"),
+                (9, "L['self'].layers[1]"), (10, "L['self'].layers[1].ffn.w1")]
+        self.assertEqual(self.numbers(spec), (2, [1, 1, 1, 2, 2]))
+
+    def test_checkpoints_of_two_submodules_stay_apart(self):
+        # checkpoint(layer.attn) then checkpoint(layer.ffn): siblings, whatever the trace's numbers
+        spec = [(1, "L['self'].layers[0].attn"), (2, "L['self'].layers[0].ffn"), (3, "L['self'].layers[1].attn")]
+        self.assertEqual(self.numbers(spec), (3, [1, 2, 3]))
+
+    def test_sibling_regions_stay_apart(self):
+        # a region of another module after the first, with user code between: two regions
+        spec = [(3, "L['self'].layers[0]"), (None, ""), (5, "L['self'].layers[1]"), (6, "L['self'].head")]
+        self.assertEqual(self.numbers(spec), (3, [1, None, 2, 3]))

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import collections
 import math
-import re
 
 import torch
 import torch.fx as fx
 
-from graphshard.passes.tag_recomputation import RECOMPUTED
+from graphshard.passes.tag_recomputation import RECOMPUTED, common_prefix, module_of
 
 
 def _from_checkpointing(node: fx.Node) -> bool:
@@ -30,34 +29,8 @@ def regions(joint: fx.GraphModule) -> dict[int, str]:
     found: dict[int, list[str]] = {}
     for node in joint.graph.nodes:
         if node.op == "call_function" and _from_checkpointing(node):
-            found.setdefault(node.meta.get("ac_graph_id"), []).append(_module_of(node))
-    return {r: _common_prefix([m for m in mods if m is not None]) or f"region {r}" for r, mods in found.items()}
-
-
-def _module_of(node: fx.Node) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    return _fqn(list(stack.values())[-1][0])
-
-
-def _fqn(path: str) -> str:
-    """dynamo's module path (``L['self'].layers[0].attn``, ``L['self']._modules['layers']``) as an FQN."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"\._modules\['([^']+)'\]", r".\1", "." + path).lstrip(".")
-    return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
-
-
-def _common_prefix(fqns: list[str]) -> str:
-    if not fqns:
-        return ""
-    parts = [f.split(".") for f in fqns]
-    out = []
-    for names in zip(*parts):
-        if len(set(names)) != 1:
-            break
-        out.append(names[0])
-    return ".".join(out)
+            found.setdefault(node.meta.get("ac_graph_id"), []).append(module_of(node))
+    return {r: common_prefix([m for m in mods if m is not None]) or f"region {r}" for r, mods in found.items()}
 
 
 def without_checkpointing(joint: fx.GraphModule) -> fx.GraphModule:
