@@ -78,7 +78,11 @@ def locate(name):
 
 def torch_triton():
     """The Triton version a CUDA build of torch requires (its ``triton==X`` requirement), if any."""
-    for req in md.requires("torch") or ():
+    try:
+        requires = md.requires("torch") or ()
+    except md.PackageNotFoundError:  # no torch yet (a fresh machine): setup installs the pinned build
+        return None
+    for req in requires:
         name, _, rest = req.partition("==")
         if name.strip() in ("triton", "pytorch-triton") and rest:
             return rest.split(";")[0].strip()
