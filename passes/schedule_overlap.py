@@ -24,11 +24,6 @@ explicit ``_c10d_functional`` start plus a ``wait_tensor``:
 - in the forward, the sparse lookups' input distribution (all-to-alls of ids and lengths and
   the integer work that builds them) is issued first, before the dense compute that precedes
   the lookup in program order; the ids' last wait stays at the lookup;
-- in the backward, an activation collective (the all-gather of a row-wise lookup's pooled
-  gradient, a tensor-parallel gather: a gather of something computed in the graph, not of a
-  parameter's shard) is issued as soon as its input exists and waited as late as data allows,
-  so the compute that does not need it (the gradients feeding the dense reductions) runs first
-  and those reductions start before the wait;
 - reduce-scatters and all-reduces of gradients (and the all-to-alls that stand
   for reduce-scatters on gloo) start as soon as their inputs exist (and, for a prefetch
   anchor, its prefetch has been issued); each one's
@@ -149,7 +144,6 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 key[n] = -math.inf
             key[w] = math.inf
     if ctx.stage == "backward":
-        _defer_activation_waits(starts, waits, first_use, key, len(nodes))
         _bound_reductions(starts, waits, key, extra_deps)
     else:
         _hoist_sparse_input(starts, key)
@@ -310,21 +304,6 @@ def _add_deps(dependents: list[fx.Node], gate: list[fx.Node], extra_deps: dict) 
         extra_deps.setdefault(n, []).extend(keep)
 
 
-def _defer_activation_waits(starts: list[fx.Node], waits: dict, first_use: dict, key: dict, n: int) -> None:
-    """Backward: an activation collective (the all-gather of a row-wise lookup's pooled-output
-    gradient, a tensor-parallel gather) starts as soon as its input exists and is waited as late as
-    data allows: the compute that does not need it runs first, the gradients that feed the dense
-    reductions among it, so those reductions start before the wait and run under the compute that
-    does need it (a DLRM's fused table update). Program order is kept among the deferred waits."""
-    for s in starts:
-        if s in first_use or _STARTS[s.target] in _REDUCTIONS or not waits[s]:
-            continue
-        for x in _exclusive_prep(s) + [s]:
-            key[x] = -math.inf
-        for w in waits[s]:
-            key[w] = n + key[w]  # after every node left in program order, before the reductions' last waits
-
-
 def _bound_reductions(starts: list[fx.Node], waits: dict, key: dict, extra_deps: dict) -> None:
     """At most two gradient reductions of a kind in flight, as FSDP2 keeps them: the wait
     of one is issued right after the next one starts. The reduction then has the next
@@ -366,13 +345,10 @@ def _view_chain(wait: fx.Node) -> list[fx.Node]:
 
 
 def _is_unit_gather(ag: fx.Node) -> bool:
-    """A data-parallel parameter gather (from graphshard::unshard), not a model-parallel activation
-    gather: it reads a graph input (the parameter's shard) through layout ops only. A gather of
-    something computed in the graph (an activation, the gradient of a sharded lookup's pooled
-    output) is an activation collective."""
-    if (ag.meta.get("custom") or {}).get("graphshard_unit") is not None:
-        return True
-    return all(n.op in ("placeholder", "get_attr") or n.target in _LAYOUT for n in _ancestors(ag))
+    """A data-parallel parameter gather (from graphshard::unshard), not a model-parallel activation gather."""
+    return (ag.meta.get("custom") or {}).get("graphshard_unit") is not None or all(
+        n.op == "placeholder" or n.target != _WAIT for n in _ancestors(ag)
+    )
 
 
 def _ancestors(node: fx.Node, extra_deps: dict | None = None):
