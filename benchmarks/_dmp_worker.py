@@ -104,9 +104,14 @@ def _auto(args, model, world):
 
     import torch.distributed as dist
 
-    x, kjt, _ = batches(args, dist.get_rank(), 1)[0]
+    x, kjt, y = batches(args, dist.get_rank(), 1)[0]
+    batch = (x, kjt)
+    if args.loop == "pipeline":  # DLRMTrain takes TorchRec's Batch
+        from torchrec.datasets.utils import Batch
+
+        batch = (Batch(dense_features=x, sparse_features=kjt, labels=y),)
     return graphshard.auto_plan(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)),
-                                memory_budget=2**30, batch=(x, kjt), optimizer_states=0)
+                                memory_budget=2**30, batch=batch, optimizer_states=0)
 
 
 def estimate_ms(args, model, plan, world) -> float:

@@ -12,6 +12,7 @@ import sys as _sys
 
 from graphshard.api import compile, explain, shard
 from graphshard.checkpointing import Checkpoint
+from graphshard.compiler.collective_check import CollectiveMismatch
 from graphshard.compiler.grad_sync import no_sync
 from graphshard.config import CompileConfig
 from graphshard.frontends import fsdp, model_parallel, tensor_parallel
@@ -25,4 +26,5 @@ for _name in [n for n in _sys.modules if n.startswith("graphshard.frontends.")]:
 del _name
 
 __all__ = ["Plan", "Checkpoint", "FullyShard", "Replicate", "ShardParams", "StridedShard", "ShardEmbedding", "CompileConfig", "shard",
-           "compile", "explain", "no_sync", "auto_plan", "fsdp", "tensor_parallel", "model_parallel"]
+           "compile", "explain", "no_sync", "auto_plan", "fsdp", "tensor_parallel", "model_parallel",
+           "CollectiveMismatch"]

@@ -158,7 +158,12 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._inductor.async_compile.AsyncCompile.cpp_pybinding", _BATCH),
     ("torch._inductor.async_compile.AsyncCompile.wait", _BATCH),
     # torch.distributed, DTensor, FSDP1
-    ("torch.distributed.distributed_c10d._get_default_store", "backend.py (_compat.default_store: compile sharing)"),
+    ("torch.distributed.distributed_c10d._get_default_store",
+     "backend.py (_compat.default_store: compile sharing), collective_check.py"),
+    ("torch.distributed.distributed_c10d._resolve_process_group", "collective_check.py (_compat.group_ranks)"),
+    ("torch._guards.CompileContext.current_compile_id", "collective_check.py (_compat.compile_id)"),
+    ("torch._guards.CompileId{frame_id}", "collective_check.py (_compat.compile_id)"),
+    ("torch._guards.CompileId{frame_compile_id}", "collective_check.py (_compat.compile_id)"),
     ("torch.distributed.device_mesh._mesh_resources.get_current_mesh", "tensor_parallel.py (_compat.current_mesh)"),
     ("torch.distributed.tensor.placement_types._StridedShard", "storage.py (_compat.strided_shard: FSDP over TP)"),
     ("torch.distributed.tensor.placement_types._StridedShard(split_factor=)", "storage.py (_compat.strided_shard)"),

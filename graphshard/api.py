@@ -29,6 +29,7 @@ def compile(
     batch_cpp_kernels: bool = False,
     fast_isa_check: bool = False,
     share_compile: bool = True,
+    check_collectives: bool = True,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 
@@ -40,7 +41,8 @@ def compile(
     config = CompileConfig(lower=lower, limit_all_gathers=limit_all_gathers, forward_prefetch=forward_prefetch,
                            backward_prefetch=backward_prefetch, regional=regional, strict=strict,
                            dump_graphs=dump_graphs, batch_cpp_kernels=batch_cpp_kernels,
-                           fast_isa_check=fast_isa_check, share_compile=share_compile)
+                           fast_isa_check=fast_isa_check, share_compile=share_compile,
+                           check_collectives=check_collectives)
     if state_of(model) is None:
         shard(model, plan)
     elif state_of(model).plan is not plan:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
-from graphshard.compiler import grad_sync, inductor_cpu, recompute
+from graphshard.compiler import collective_check, grad_sync, inductor_cpu, recompute
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
@@ -343,6 +343,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
     config = ctx.config
     share = _shared_compile(config.share_compile)
+    compile_id = _compat.compile_id()  # the backward compiles later, outside dynamo's compile context
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead
@@ -373,6 +374,10 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             is_backward = stage == "backward"
             if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
                 g = run_passes(g, ctx, post_partition_passes())
+            check = None  # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
+            if collective_check.enabled(config):
+                check = collective_check.CollectiveCheck(
+                    g, compile_id, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
             if config.lower == "eager":
                 compiled_fn = _compat.boxed_nop(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):
@@ -395,6 +400,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             if is_backward and partitioned:
                 compiled_fn = _with_grad_sync(g, inputs, compiled_fn, ctx, functools.partial(
                     _lower_variant, config=config, share=share, compiled=compiled))
+            if check is not None:
+                compiled_fn = collective_check.wrap(compiled_fn, check)
             return compiled_fn
 
         return compile_graph

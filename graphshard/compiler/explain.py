@@ -32,6 +32,7 @@ class GraphReport:
     notes: list[str] = field(default_factory=list)
     compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     recompute: dict = field(default_factory=dict)  # activation checkpointing (compiler.recompute.summary)
+    collective_check: dict[str, str] = field(default_factory=dict)  # stage -> what the ranks compared, its cost
 
     def format(self) -> str:
         lines = [f"graph {self.index}:"]
@@ -67,6 +68,8 @@ class GraphReport:
             for label, ops in r["per_region"].items():
                 top = ", ".join(f"{op} x{n}" for op, n in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
                 lines.append(f"    {label}: recomputes {sum(ops.values())} ops ({top}{', ...' if len(ops) > 6 else ''})")
+        for stage, line in self.collective_check.items():
+            lines.append(f"  collectives compared across ranks ({stage}): {line}")
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
         if self.compile_seconds:
             lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))

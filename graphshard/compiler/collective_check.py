@@ -1,0 +1,260 @@
+"""Ranks compare a compiled program's collectives before it issues the first one.
+
+A rank that issues another collective than its peers (another shape, another group, another
+order) hangs the job with no word of where. graphshard knows every collective of a program
+before it runs, so at a program's first run each rank posts, per process group, the
+collectives it will issue there (op, dtype, sizes, arguments, in order) to the job's store, and
+compares them with what the group's other ranks posted for the same program: the same dynamo
+frame and stage. A mismatch raises on every rank of the group, naming the first collective that
+differs, each side's version and the FX node it came from (with the user's source line where the
+node has a stack trace).
+
+- No collective is used, and every wait on the store is bounded (by the process group's timeout,
+  which is the store's): a peer that never reaches the program is an error that names it, not a
+  hang.
+- Sizes the data decides (a sparse all-to-all's splits, ids per batch) are posted as ``?`` and
+  match anything; what is static is compared.
+- A rank that recompiled a frame alone (a guard that failed on its data only) compares its new
+  program with the peer's latest one of the same frame and stage, on what both have static,
+  instead of waiting for a compile the peer will not do.
+
+``CompileConfig.check_collectives`` turns it off; ``explain`` prints what was compared and what
+the first call spent on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from graphshard import _compat
+from graphshard.compiler.explain import collective_kind
+
+PREFIX = "graphshard/collectives"
+DYNAMIC = "?"
+
+
+@dataclass
+class Entry:
+    """One collective of a program, as its rank posts it (JSON: plain strings, numbers and lists)."""
+
+    op: str      # all_gather, reduce_scatter, ... (explain's names)
+    args: list   # each argument but the group: a tensor as "float32[4,8]", a list of sizes, a number or a
+                 # string; "?" where the data decides
+    node: str    # the FX node
+    source: str  # the user's source line it came from, or that graphshard inserted it
+
+    def describe(self) -> str:
+        return f"{self.op}({', '.join(map(_show, self.args))}) from node {self.node!r}, {self.source}"
+
+    def matches(self, other: "Entry", me: int, peer: int) -> bool:
+        """Whether this rank's collective and the peer's are the same one (``me`` and ``peer``: the
+        two ranks' positions in the group). An all-to-all's splits differ by rank, so they are
+        checked pairwise: what this rank sends the peer is what the peer expects from it."""
+        if self.op != other.op or len(self.args) != len(other.args):
+            return False
+        if self.op != "all_to_all":
+            return all(_same(a, b) for a, b in zip(self.args, other.args))
+        (x, out_a, in_a), (y, out_b, in_b) = self.args[:3], other.args[:3]
+        if _dtype(x) != _dtype(y) or not all(_same(a, b) for a, b in zip(_dims(x)[1:], _dims(y)[1:])):
+            return False
+        if not out_a or not out_b:  # even splits: the same sizes everywhere
+            return _same(x, y) and _same(out_a, out_b) and _same(in_a, in_b)
+        return (max(me, peer) < min(len(out_a), len(in_a), len(out_b), len(in_b))
+                and _same(in_a[peer], out_b[me]) and _same(out_a[peer], in_b[me]))
+
+
+def _show(arg) -> str:
+    return "[" + ", ".join(map(_show, arg)) + "]" if isinstance(arg, list) else str(arg)
+
+
+def _same(a, b) -> bool:
+    """Equal, a ``?`` on either side matching any one size or number."""
+    if DYNAMIC in (a, b):
+        return True
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str) and "[" in a and "[" in b:  # tensors: dtype, then each dim
+        return _dtype(a) == _dtype(b) and _same(_dims(a), _dims(b))
+    return a == b
+
+
+def _dtype(tensor: str) -> str:
+    return tensor.split("[", 1)[0]
+
+
+def _dims(tensor: str) -> list:
+    inner = tensor.split("[", 1)[1].rstrip("]") if "[" in tensor else ""
+    return [d if d == DYNAMIC else int(d) for d in inner.split(",") if d]
+
+
+def _is_collective(node: fx.Node) -> bool:
+    target = node.target
+    ns = getattr(target, "namespace", None)
+    return node.op == "call_function" and ns == "_c10d_functional" and "wait_tensor" not in str(target)
+
+
+def _render(arg: Any):
+    """An argument as posted: a tensor as ``dtype[d0,d1]``, a size the data decides as ``?``."""
+    if isinstance(arg, fx.Node):
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            dims = ",".join(str(d) if isinstance(d, int) else DYNAMIC for d in val.shape)
+            return f"{str(val.dtype).removeprefix('torch.')}[{dims}]"
+        return val if isinstance(val, int) else DYNAMIC  # a SymInt node: a size the data decides
+    if isinstance(arg, (list, tuple)):
+        return [_render(a) for a in arg]
+    if isinstance(arg, torch.SymInt):
+        return DYNAMIC
+    return arg if isinstance(arg, (int, float, bool)) or arg is None else str(arg)
+
+
+def _frame(node: fx.Node) -> str | None:
+    """The last frame of the node's stack trace: ``file:line in fn: code``."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(trace) - 1, -1, -1):
+        line = trace[i].strip()
+        if line.startswith("File "):
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            try:
+                path, lineno, fn = line.split(", ", 2)
+                where = f"{path[len('File '):].strip(chr(34))}:{lineno.removeprefix('line ')} {fn}"
+            except ValueError:
+                where = line
+            return f"{where}: {code}" if code else where
+    return None
+
+
+def _source(node: fx.Node, depth: int = 8) -> str:
+    """The user's source line a collective came from: its own stack trace, else (a collective
+    graphshard inserted) the nearest use of its result that has one, else the nearest producer of
+    its input."""
+    own = _frame(node)
+    if own:
+        return own
+    for direction, word in (("users", "for"), ("all_input_nodes", "after")):
+        seen, frontier = {node}, [node]
+        for _ in range(depth):
+            frontier = [m for n in frontier for m in getattr(n, direction) if m not in seen and not seen.add(m)]
+            found = next((f for f in map(_frame, frontier) if f), None)
+            if found:
+                return f"inserted by graphshard {word} {found}"
+    return "inserted by graphshard (no user source line near it)"
+
+
+def fingerprint(gm: fx.GraphModule) -> dict[str, list[Entry]]:
+    """Each process group's collectives in ``gm``, in the order the program issues them. Read from
+    the graph before it is lowered: Inductor rewrites the graph it compiles (``all_reduce`` into
+    ``all_reduce_``), and a rank that loads the other's compile from the cache does not."""
+    by_group: dict[str, list[Entry]] = {}
+    for n in gm.graph.nodes:
+        if not _is_collective(n):
+            continue
+        *args, group = n.args
+        by_group.setdefault(str(group), []).append(
+            Entry(collective_kind(n.target._opname.rstrip("_")), [_render(a) for a in args], n.name, _source(n)))
+    return by_group
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of a process group would issue different collectives: the job would hang in them."""
+
+
+class CollectiveCheck:
+    """The comparison a program makes at its first run (`wrap`)."""
+
+    def __init__(self, gm: fx.GraphModule, compile_id: tuple[int, int], stage: str, timeout_s: float | None = None,
+                 report: Callable[[str], None] | None = None) -> None:
+        self.by_group = fingerprint(gm)
+        self.program, self.index = compile_id  # dynamo's frame and its compile of it (0, then recompiles)
+        self.stage, self.timeout_s, self.report = stage, timeout_s, report
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        store, rank = _compat.default_store(), dist.get_rank()
+        if self.timeout_s is None:  # the job's own bound: the store's timeout is the process group's
+            self.timeout_s = store.timeout.total_seconds()
+        compared = {}
+        for group, entries in self.by_group.items():
+            ranks = _compat.group_ranks(group)
+            peers = [r for r in ranks if r != rank]
+            if not peers:
+                continue
+            base = f"{PREFIX}/{group}/{self.program}/{self.stage}"
+            store.set(f"{base}/{self.index}/{rank}", json.dumps([e.__dict__ for e in entries]))
+            store.set(f"{base}/latest/{rank}", str(self.index))
+            for peer in peers:
+                theirs = self._peer_entries(store, base, peer)
+                _compare(group, self.stage, (rank, ranks.index(rank)), entries, (peer, ranks.index(peer)), theirs)
+            compared[group] = (len(entries), len(peers))
+        if self.report is not None and compared:
+            dynamic = sum(DYNAMIC in json.dumps(e.args) for es in self.by_group.values() for e in es)
+            groups = ", ".join(f"{g!r}: {n} collectives with {p} peer(s)" for g, (n, p) in compared.items())
+            self.report(f"{groups}; {dynamic} with data-dependent sizes (compared on their static part); "
+                        f"{(time.perf_counter() - t0) * 1e3:.1f} ms on the first call")
+
+    def _peer_entries(self, store, base: str, peer: int) -> list[Entry]:
+        mine = f"{base}/{self.index}/{peer}"
+        if not store.check([mine]):
+            latest = f"{base}/latest/{peer}"
+            try:
+                store.wait([latest], datetime.timedelta(seconds=self.timeout_s))
+            except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
+                raise CollectiveMismatch(
+                    f"graphshard: rank {peer} did not reach this {self.stage} program (dynamo frame {self.program}) "
+                    f"within {self.timeout_s:.0f} s; rank {dist.get_rank()} stops before its first collective. The "
+                    "peer is stuck elsewhere or runs other code (a rank-dependent branch). "
+                    "CompileConfig(check_collectives=False) turns this check off"
+                ) from e
+            if not store.check([mine]):  # the peer runs an earlier compile of this frame: compare with it
+                mine = f"{base}/{int(store.get(latest))}/{peer}"
+        return [Entry(**e) for e in json.loads(store.get(mine))]
+
+
+def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], them: tuple[int, int],
+             theirs: list[Entry]) -> None:
+    """Raises at the first collective that differs. ``me`` and ``them``: (global rank, position in the group)."""
+    (rank, my_pos), (peer, peer_pos) = me, them
+    for i in range(max(len(mine), len(theirs))):
+        a = mine[i] if i < len(mine) else None
+        b = theirs[i] if i < len(theirs) else None
+        if a is not None and b is not None and a.matches(b, my_pos, peer_pos):
+            continue
+        lo, hi = sorted((rank, peer))
+        sides = {rank: a, peer: b}
+        lines = [f"  rank {r}: " + (sides[r].describe() if sides[r] is not None else "nothing (its program ends here)")
+                 for r in (lo, hi)]
+        raise CollectiveMismatch(
+            f"graphshard: ranks {lo} and {hi} would issue different collectives on process group {group!r} in "
+            f"this {stage} program; collective #{i} differs:\n" + "\n".join(lines) + "\n"
+            "Every rank of a group must run the same program: look for a branch on the rank, a plan or model built "
+            "differently on one rank, or inputs of another shape. Nothing was issued; the job would have hung in it."
+        )
+
+
+def enabled(config) -> bool:
+    """On a real process group of more than one rank (not the fake group of golden-graph tests)."""
+    return (config.check_collectives and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1 and dist.get_backend() != "fake")
+
+
+def wrap(fn: Callable, check: CollectiveCheck) -> Callable:
+    """``fn`` (aot_autograd's boxed convention) with ``check`` run before its first call."""
+    pending = [check] if check.by_group else []
+
+    def run(args):
+        if pending:
+            with _compat.outside_fake_mode():
+                pending[0].run()
+            pending.clear()
+        return fn(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

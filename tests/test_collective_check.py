@@ -1,0 +1,101 @@
+"""The collective check: ranks compare a program's collectives through the store before the first one.
+
+On 2 gloo ranks (tests/workers/divergence.py): a rank-dependent branch, a rank with another plan
+and a rank with another input shape are each caught on every rank, with the first collective that
+differs, each side's version and the FX node it came from; nothing hangs. Programs
+that agree pass, and ``explain`` prints what was compared and its cost. The comparison itself
+(sizes the data decides match anything) is checked on entries built by hand.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from _launch import torchrun
+from graphshard.compiler.collective_check import CollectiveMismatch, Entry, _compare
+
+
+def _entry(op, args, node="n", source="model.py:1 forward: x"):
+    return Entry(op, args, node, source)
+
+
+def test_sizes_the_data_decides_match_any_size():
+    mine = [_entry("all_gather", ["int64[?,4]", 2])]
+    _compare("g", "forward", (0, 0), mine, (1, 1), [_entry("all_gather", ["int64[12,4]", 2])])
+    with pytest.raises(CollectiveMismatch, match="collective #0 differs"):  # a static size still counts
+        _compare("g", "forward", (0, 0), mine, (1, 1), [_entry("all_gather", ["int64[12,5]", 2])])
+
+
+def test_an_all_to_all_is_checked_pairwise():
+    # an all-to-all's splits differ by rank: what rank 0 sends rank 1 (its input split 1) must be
+    # what rank 1 expects from rank 0 (its output split 0), and the other way round
+    rank0 = [_entry("all_to_all", ["float32[8]", [3, 7], [3, 5]])]
+    rank1 = [_entry("all_to_all", ["float32[9]", [5, 2], [7, 2]])]
+    _compare("g", "forward", (0, 0), rank0, (1, 1), rank1)
+    _compare("g", "forward", (1, 1), rank1, (0, 0), rank0)
+    _compare("g", "forward", (0, 0), [_entry("all_to_all", ["float32[?]", ["?", "?"], [3, "?"]])], (1, 1), rank1)
+    with pytest.raises(CollectiveMismatch, match="collective #0 differs"):
+        _compare("g", "forward", (0, 0), rank0, (1, 1), [_entry("all_to_all", ["float32[10]", [6, 2], [7, 3]])])
+
+
+def test_a_missing_collective_is_named_with_each_side():
+    mine = [_entry("all_gather", ["float32[16]", 2], "ag0"),
+            _entry("all_gather", ["float32[8]", 2], "ag1", "net.py:9 forward: y = self.b(x)")]
+    with pytest.raises(CollectiveMismatch) as e:
+        _compare("dp", "forward", (1, 1), mine, (0, 0), mine[:1])
+    text = str(e.value)
+    assert "ranks 0 and 1" in text and "collective #1 differs" in text, text
+    assert "rank 0: nothing (its program ends here)" in text, text
+    assert "rank 1: all_gather(float32[8], 2) from node 'ag1', net.py:9 forward: y = self.b(x)" in text, text
+
+
+@pytest.fixture(scope="module")
+def results():
+    t0 = time.perf_counter()
+    out = {r["case"]: r for r in torchrun("divergence.py", ["branch", "plan", "shape", "same"], timeout=600)}
+    out["_seconds"] = time.perf_counter() - t0
+    return out
+
+
+@pytest.mark.multirank
+def test_nothing_hangs(results):
+    assert set(results) == {"branch", "plan", "shape", "same", "_seconds"}, sorted(results)
+    assert results["_seconds"] < 300, results["_seconds"]  # four cases, compiles included; a hang is 60 s each
+    for case in ("branch", "plan", "shape"):
+        assert results[case]["seconds"] < 30, (case, results[case]["seconds"])
+
+
+@pytest.mark.multirank
+def test_a_rank_dependent_branch_is_caught_on_every_rank(results):
+    errors = results["branch"]["errors"]
+    assert all(errors) and len(set(errors)) == 1, errors  # every rank raised the same message
+    text = errors[0]
+    assert "would issue different collectives on process group" in text and "forward program" in text, text
+    assert "rank 1: all_gather(" in text, text  # rank 1's extra unit b is gathered
+
+
+@pytest.mark.multirank
+def test_a_rank_with_another_plan_is_caught(results):
+    errors = results["plan"]["errors"]
+    assert all(errors) and len(set(errors)) == 1, errors
+    assert "collective #0 differs" in errors[0] and "all_gather([float32[" in errors[0], errors[0]
+
+
+@pytest.mark.multirank
+def test_a_rank_with_another_shape_is_caught(results):
+    errors = results["shape"]["errors"]
+    assert all(errors) and len(set(errors)) == 1, errors
+    text = errors[0]
+    assert "all_reduce(float32[4,8], sum) from node 'all_reduce'" in text, text
+    assert "all_reduce(float32[6,8], sum) from node 'all_reduce'" in text, text
+
+
+@pytest.mark.multirank
+def test_agreeing_ranks_pass_and_explain_prints_the_cost(results):
+    r = results["same"]
+    assert not any(r["errors"]), r["errors"]
+    lines = [line for line in r["explain"].splitlines() if "collectives compared across ranks" in line]
+    assert {line.split("(")[1].split(")")[0] for line in lines} == {"forward", "backward"}, r["explain"]
+    assert all("with 1 peer(s)" in line and "ms on the first call" in line for line in lines), lines

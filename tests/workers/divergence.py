@@ -1,0 +1,93 @@
+"""Ranks that would issue different collectives: ``torchrun --nproc-per-node 2 tests/workers/divergence.py CASE ...``.
+
+Each case builds a model that differs between the ranks in one way, runs one training step and
+reports what each rank raised (rank 1's message reaches rank 0 through the store):
+
+- ``branch``: the forward takes a rank-dependent branch (rank 1 runs an extra FSDP unit, so it
+  has an extra all-gather: of one weight, where the other units gather a weight and a bias);
+- ``plan``: rank 1 shards with another plan (every layer its own unit, rank 0 one unit);
+- ``shape``: tensor parallelism with an input of another batch size on rank 1 (the row-parallel
+  layer's all-reduce has another size);
+- ``same``: every rank alike, the check passes and ``explain`` prints what it compared.
+
+The process group's collective timeout is 60 s: were a case to reach a mismatched collective, the
+job would fail there, and the test's time bound would show it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
+
+import graphshard
+from _runner import run_cases
+
+
+class Net(nn.Module):
+    def __init__(self, extra: bool, dim: int = 8):
+        super().__init__()
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim, bias=False)  # its gather differs from the others' in more than its name
+        self.c = nn.Linear(dim, dim)
+        self.extra = extra
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        if self.extra:  # the rank-dependent branch
+            x = torch.relu(self.b(x))
+        return self.c(x)
+
+
+def _mesh():
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def build(case: str, rank: int):
+    torch.manual_seed(0)
+    if case == "shape":
+        model = Net(False)
+        plan = graphshard.Plan(init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)), {
+            "a": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0)),
+            "c": graphshard.ShardParams("tp", weight=Shard(1)),
+        })
+        return model, plan, torch.randn(6 if rank == 1 else 4, 8)
+    model = Net(extra=case == "branch" and rank == 1)
+    per_layer = case == "branch" or case == "plan" and rank == 1
+    units = {"a": graphshard.FullyShard(), "b": graphshard.FullyShard(), "c": graphshard.FullyShard()} if per_layer else {}
+    return model, graphshard.Plan(_mesh(), {**units, "": graphshard.FullyShard()}), torch.randn(4, 8)
+
+
+def run(case: str) -> dict:
+    rank = dist.get_rank()
+    model, plan, x = build(case, rank)
+    model = graphshard.compile(model, plan, lower="eager")
+    t0 = time.perf_counter()
+    error = ""
+    try:
+        model(x).sum().backward()
+    except graphshard.CollectiveMismatch as e:
+        error = str(e)
+    except Exception as e:  # dynamo wraps a backend's errors: find ours in the chain
+        cause = e
+        while cause is not None and not isinstance(cause, graphshard.CollectiveMismatch):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        error = str(cause)
+    seconds = time.perf_counter() - t0
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"divergence/{case}/{rank}", error)
+    errors = [store.get(f"divergence/{case}/{r}").decode() for r in range(dist.get_world_size())]
+    explain = "" if error else graphshard.explain(model)
+    return {"case": case, "errors": errors, "seconds": seconds, "explain": explain}
+
+
+if __name__ == "__main__":
+    run_cases(sys.argv[1:], run, timeout=datetime.timedelta(seconds=60))
