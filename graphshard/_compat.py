@@ -208,17 +208,6 @@ def default_store():
     return _get_default_store()
 
 
-def compile_id() -> tuple[int, int]:
-    """(frame, compile of that frame) of the dynamo compile in progress: dynamo numbers the
-    frames it compiles in the order it meets them, and each frame's recompiles from 0."""
-    from torch._guards import CompileContext
-
-    cid = CompileContext.current_compile_id()
-    if cid is None:
-        return (-1, 0)
-    return (cid.frame_id if cid.frame_id is not None else -1, cid.frame_compile_id or 0)
-
-
 def group_ranks(group_name: str) -> list[int]:
     """The global ranks of the process group a functional collective names."""
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -343,7 +343,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
     config = ctx.config
     share = _shared_compile(config.share_compile)
-    compile_id = _compat.compile_id()  # the backward compiles later, outside dynamo's compile context
+    # the program's name on every rank: the model (sharded in the same order everywhere) and its graph
+    compile_id = (f"m{ctx.models[0].model_id}" if ctx.models else "graph", ctx.report.index)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead

@@ -4,8 +4,8 @@ A rank that issues another collective than its peers (another shape, another gro
 order) hangs the job with no word of where. graphshard knows every collective of a program
 before it runs, so at a program's first run each rank posts, per process group, the
 collectives it will issue there (op, dtype, sizes, arguments, in order) to the job's store, and
-compares them with what the group's other ranks posted for the same program: the same dynamo
-frame and stage. A mismatch raises on every rank of the group, naming the first collective that
+compares them with what the group's other ranks posted for the same program: the same model,
+graph and stage. A mismatch raises on every rank of the group, naming the first collective that
 differs, each side's version and the FX node it came from (with the user's source line where the
 node has a stack trace).
 
@@ -14,9 +14,9 @@ node has a stack trace).
   hang.
 - Sizes the data decides (a sparse all-to-all's splits, ids per batch) are posted as ``?`` and
   match anything; what is static is compared.
-- A rank that recompiled a frame alone (a guard that failed on its data only) compares its new
-  program with the peer's latest one of the same frame and stage, on what both have static,
-  instead of waiting for a compile the peer will not do.
+- A rank that recompiled alone (a guard that failed on its data only) compares its new graph
+  with the peer's latest one of the same model and stage, on what both have static, instead of
+  waiting for a compile the peer will not do.
 
 ``CompileConfig.check_collectives`` turns it off; ``explain`` prints what was compared and what
 the first call spent on it.
@@ -170,10 +170,13 @@ class CollectiveMismatch(RuntimeError):
 class CollectiveCheck:
     """The comparison a program makes at its first run (`wrap`)."""
 
-    def __init__(self, gm: fx.GraphModule, compile_id: tuple[int, int], stage: str, timeout_s: float | None = None,
+    def __init__(self, gm: fx.GraphModule, program: tuple[str, int], stage: str, timeout_s: float | None = None,
                  report: Callable[[str], None] | None = None) -> None:
         self.by_group = fingerprint(gm)
-        self.program, self.index = compile_id  # dynamo's frame and its compile of it (0, then recompiles)
+        # the model (``m<id>``: every rank shards its models in the same order) and its graph, counted
+        # from 0 (a recompile is the next graph). Not dynamo's frame ids: a frame only one rank compiles
+        # (a reference run on rank 0) shifts them.
+        self.program, self.index = program
         self.stage, self.timeout_s, self.report = stage, timeout_s, report
 
     def run(self) -> None:
@@ -208,12 +211,12 @@ class CollectiveCheck:
                 store.wait([latest], datetime.timedelta(seconds=self.timeout_s))
             except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
                 raise CollectiveMismatch(
-                    f"graphshard: rank {peer} did not reach this {self.stage} program (dynamo frame {self.program}) "
+                    f"graphshard: rank {peer} did not reach this {self.stage} program (model {self.program}, graph {self.index}) "
                     f"within {self.timeout_s:.0f} s; rank {dist.get_rank()} stops before its first collective. The "
                     "peer is stuck elsewhere or runs other code (a rank-dependent branch). "
                     "CompileConfig(check_collectives=False) turns this check off"
                 ) from e
-            if not store.check([mine]):  # the peer runs an earlier compile of this frame: compare with it
+            if not store.check([mine]):  # the peer runs an earlier graph of this model: compare with it
                 mine = f"{base}/{int(store.get(latest))}/{peer}"
         return [Entry(**e) for e in json.loads(store.get(mine))]
 
