@@ -18,8 +18,9 @@ node has a stack trace).
   with the peer's latest one of the same model and stage, on what both have static, instead of
   waiting for a compile the peer will not do.
 
-``CompileConfig.check_collectives`` turns it off; ``explain`` prints what was compared and what
-the first call spent on it.
+``CompileConfig.check_collectives=True`` turns it on (off by default until a model with graph
+breaks pairs its graphs right: see ``docs/design.md``); ``explain`` prints what was compared and
+what the first call spent on it.
 """
 
 from __future__ import annotations

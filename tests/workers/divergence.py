@@ -67,7 +67,7 @@ def build(case: str, rank: int):
 def run(case: str) -> dict:
     rank = dist.get_rank()
     model, plan, x = build(case, rank)
-    model = graphshard.compile(model, plan, lower="eager")
+    model = graphshard.compile(model, plan, lower="eager", check_collectives=True)
     t0 = time.perf_counter()
     error = ""
     try:
