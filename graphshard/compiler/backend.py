@@ -344,7 +344,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     config = ctx.config
     share = _shared_compile(config.share_compile)
     # the program's name on every rank: the model (sharded in the same order everywhere) and its graph
-    compile_id = (f"m{ctx.models[0].model_id}" if ctx.models else "graph", ctx.report.index)
+    program = (f"m{ctx.models[0].model_id}" if ctx.models else "graph", ctx.report.index)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead
@@ -378,7 +378,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             check = None  # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
             if collective_check.enabled(config):
                 check = collective_check.CollectiveCheck(
-                    g, compile_id, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
+                    g, program, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
             if config.lower == "eager":
                 compiled_fn = _compat.boxed_nop(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):

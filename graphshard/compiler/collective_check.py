@@ -25,7 +25,6 @@ what the first call spent on it.
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 from dataclasses import dataclass
@@ -171,20 +170,18 @@ class CollectiveMismatch(RuntimeError):
 class CollectiveCheck:
     """The comparison a program makes at its first run (`wrap`)."""
 
-    def __init__(self, gm: fx.GraphModule, program: tuple[str, int], stage: str, timeout_s: float | None = None,
+    def __init__(self, gm: fx.GraphModule, program: tuple[str, int], stage: str,
                  report: Callable[[str], None] | None = None) -> None:
         self.by_group = fingerprint(gm)
         # the model (``m<id>``: every rank shards its models in the same order) and its graph, counted
         # from 0 (a recompile is the next graph). Not dynamo's frame ids: a frame only one rank compiles
         # (a reference run on rank 0) shifts them.
         self.program, self.index = program
-        self.stage, self.timeout_s, self.report = stage, timeout_s, report
+        self.stage, self.report = stage, report
 
     def run(self) -> None:
         t0 = time.perf_counter()
         store, rank = _compat.default_store(), dist.get_rank()
-        if self.timeout_s is None:  # the job's own bound: the store's timeout is the process group's
-            self.timeout_s = store.timeout.total_seconds()
         compared = {}
         for group, entries in self.by_group.items():
             ranks = _compat.group_ranks(group)
@@ -205,21 +202,22 @@ class CollectiveCheck:
                         f"{(time.perf_counter() - t0) * 1e3:.1f} ms on the first call")
 
     def _peer_entries(self, store, base: str, peer: int) -> list[Entry]:
-        mine = f"{base}/{self.index}/{peer}"
-        if not store.check([mine]):
+        key = f"{base}/{self.index}/{peer}"
+        if not store.check([key]):
             latest = f"{base}/latest/{peer}"
+            timeout = store.timeout  # the job's own bound: the store's timeout is the process group's
             try:
-                store.wait([latest], datetime.timedelta(seconds=self.timeout_s))
+                store.wait([latest], timeout)
             except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
                 raise CollectiveMismatch(
                     f"graphshard: rank {peer} did not reach this {self.stage} program (model {self.program}, graph {self.index}) "
-                    f"within {self.timeout_s:.0f} s; rank {dist.get_rank()} stops before its first collective. The "
+                    f"within {timeout.total_seconds():.0f} s; rank {dist.get_rank()} stops before its first collective. The "
                     "peer is stuck elsewhere or runs other code (a rank-dependent branch). "
                     "CompileConfig(check_collectives=False) turns this check off"
                 ) from e
-            if not store.check([mine]):  # the peer runs an earlier graph of this model: compare with it
-                mine = f"{base}/{int(store.get(latest))}/{peer}"
-        return [Entry(**e) for e in json.loads(store.get(mine))]
+            if not store.check([key]):  # the peer runs an earlier graph of this model: compare with it
+                key = f"{base}/{int(store.get(latest))}/{peer}"
+        return [Entry(**e) for e in json.loads(store.get(key))]
 
 
 def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], them: tuple[int, int],
