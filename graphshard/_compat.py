@@ -208,6 +208,29 @@ def default_store():
     return _get_default_store()
 
 
+def dynamo_frame() -> str | None:
+    """The code dynamo is compiling, as ``name (file:first line)`` with the file's base name (the same
+    on every rank of a job), or None outside a dynamo compile. A graph break's resume function is a
+    code of its own (``torch_dynamo_resume_in_forward_at_57``)."""
+    import os
+
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        code = InstructionTranslator.current_tx().f_code
+    except AttributeError:  # no frame is being translated (a graph traced without dynamo)
+        return None
+    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+
+
+def proxy_trace_graph() -> torch.fx.Graph | None:
+    """The graph ``make_fx`` is recording into, or None outside a trace."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    mode = get_proxy_mode()
+    return mode.tracer.graph if mode is not None else None
+
+
 def group_ranks(group_name: str) -> list[int]:
     """The global ranks of the process group a functional collective names."""
     from torch.distributed.distributed_c10d import _resolve_process_group

@@ -29,7 +29,7 @@ def compile(
     batch_cpp_kernels: bool = False,
     fast_isa_check: bool = False,
     share_compile: bool = True,
-    check_collectives: bool = False,
+    check_collectives: bool = True,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 

@@ -60,14 +60,13 @@ class CompileConfig:
     Inductor caches its list of valid ISAs for the process, so a later Inductor compile in
     the process uses the list this check produced (the same list whenever the picked ISA
     builds; see ``inductor_cpu.inductor_cpu_settings``)."""
-    check_collectives: bool = False
+    check_collectives: bool = True
     """At each compiled program's first run, compare its collectives (op, group, dtype, sizes,
     order) with the other ranks' through the job's store before issuing any: a rank that would
     issue different ones (a rank-dependent branch, another plan or shape) raises an error naming
     the first that differs, on every rank, instead of hanging the job. No collective is used and
-    every wait is bounded (``graphshard.compiler.collective_check``); ``explain`` prints its cost.
-    Off by default until a model with several graphs (graph breaks) and recompiles pairs each
-    graph with the same graph on the other ranks (``docs/design.md``)."""
+    every wait is bounded (``graphshard.compiler.collective_check``); ``explain`` prints its cost
+    (a store round trip per process group and peer, once per program)."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

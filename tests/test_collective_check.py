@@ -51,19 +51,22 @@ def test_a_missing_collective_is_named_with_each_side():
     assert "rank 1: all_gather(float32[8], 2) from node 'ag1', net.py:9 forward: y = self.b(x)" in text, text
 
 
+CASES = ("branch", "plan", "shape", "same", "break", "break_branch")
+
+
 @pytest.fixture(scope="module")
 def results():
     t0 = time.perf_counter()
-    out = {r["case"]: r for r in torchrun("divergence.py", ["branch", "plan", "shape", "same"], timeout=600)}
+    out = {r["case"]: r for r in torchrun("divergence.py", list(CASES), timeout=600)}
     out["_seconds"] = time.perf_counter() - t0
     return out
 
 
 @pytest.mark.multirank
 def test_nothing_hangs(results):
-    assert set(results) == {"branch", "plan", "shape", "same", "_seconds"}, sorted(results)
-    assert results["_seconds"] < 300, results["_seconds"]  # four cases, compiles included; a hang is 60 s each
-    for case in ("branch", "plan", "shape"):
+    assert set(results) == {*CASES, "_seconds"}, sorted(results)
+    assert results["_seconds"] < 300, results["_seconds"]  # six cases, compiles included; a hang is 60 s each
+    for case in ("branch", "plan", "shape", "break_branch"):
         assert results[case]["seconds"] < 30, (case, results[case]["seconds"])
 
 
@@ -99,3 +102,28 @@ def test_agreeing_ranks_pass_and_explain_prints_the_cost(results):
     lines = [line for line in r["explain"].splitlines() if "collectives compared across ranks" in line]
     assert {line.split("(")[1].split(")")[0] for line in lines} == {"forward", "backward"}, r["explain"]
     assert all("with 1 peer(s)" in line and "ms on the first call" in line for line in lines), lines
+
+
+@pytest.mark.multirank
+def test_each_frame_of_a_graph_break_is_compared_with_the_same_frame(results):
+    # two frames (forward and dynamo's resume function), each compiled twice (a second batch size):
+    # each of the four graphs is paired with the peer's graph of the same frame and compile
+    r = results["break"]
+    assert not any(r["errors"]), r["errors"]
+    headers = [line for line in r["explain"].splitlines() if line.startswith("graph ")]
+    frames = [h.split("(", 1)[1].rsplit(", compile", 1)[0] for h in headers]
+    assert len(headers) == 4 and len(set(frames)) == 2, headers
+    assert any(f.startswith("forward (divergence.py:") for f in frames), headers
+    assert any(f.startswith("torch_dynamo_resume_in_forward_at_") for f in frames), headers
+    assert sorted(h.rsplit(", compile ", 1)[1] for h in headers) == ["0):", "0):", "1):", "1):"], headers
+    compared = [line for line in r["explain"].splitlines() if "collectives compared across ranks" in line]
+    assert len(compared) == 8, r["explain"]  # forward and backward of each graph
+
+
+@pytest.mark.multirank
+def test_a_branch_after_a_graph_break_names_the_resume_function(results):
+    errors = results["break_branch"]["errors"]
+    assert all(errors) and len(set(errors)) == 1, errors
+    text = errors[0]
+    assert "torch_dynamo_resume_in_forward_at_" in text and "compile 0" in text, text
+    assert "rank 1: all_gather(" in text, text

@@ -173,7 +173,9 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     bound = bool(models)
     models = _models_of([n.args[1] for n in markers + layouts], models)
     params = {k: p for m in models for k, p in m.params.items()}
-    report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids))
+    frame = _compat.dynamo_frame()
+    report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids), frame=frame,
+                         frame_graph=sum(r.frame == frame for r in models[0].explain) if models else 0)
     if models:
         models[0].explain.append(report)
     model_parallel, group_axes = _axes(markers, layouts, params, models)
@@ -312,9 +314,10 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
     no gradient), and aot_autograd traces the result again with autograd on: a kernel chosen
     as if nothing needed a gradient then has no derivative for what does. Autograd, recording
     as it goes, detaches the outputs some ops save for their backward (``_softmax``); those
-    detaches have no reader and are dropped (aot_autograd records its own)."""
+    detaches have no reader and are dropped (aot_autograd records its own). Each ATen node keeps
+    the stack trace of the dynamo node it came from, and no other node meta (`_StackTraces`)."""
     with fake_mode:
-        traced = _compat.make_fx(fx.Interpreter(gm).run, tracing_mode="real")(*fake_inputs)
+        traced = _compat.make_fx(_StackTraces(gm).run, tracing_mode="real")(*fake_inputs)
     for node in reversed(traced.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
             traced.graph.erase_node(node)
@@ -322,6 +325,26 @@ def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule
             node.meta[TRACED] = True
     traced.recompile()
     return traced
+
+
+class _StackTraces(fx.Interpreter):
+    """Runs a dynamo graph under ``make_fx`` and gives the ATen nodes each of its nodes records the
+    user's stack trace of that node: the source line the collective check and ``explain`` name.
+    Only ``stack_trace``: torch's ``preserve_node_meta`` would also carry module stacks and
+    activation-checkpointing tags into the graph the passes read. aot_autograd carries the stack
+    traces on into the forward and backward graphs."""
+
+    def run_node(self, n: fx.Node):
+        graph, trace = _compat.proxy_trace_graph(), n.meta.get("stack_trace")
+        if graph is None or not trace:
+            return super().run_node(n)
+        last = next(reversed(graph.nodes), None)
+        out = super().run_node(n)
+        for node in reversed(graph.nodes):
+            if node is last:
+                break
+            node.meta.setdefault("stack_trace", trace)
+        return out
 
 
 def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> list:
@@ -343,8 +366,10 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
     config = ctx.config
     share = _shared_compile(config.share_compile)
-    # the program's name on every rank: the model (sharded in the same order everywhere) and its graph
-    program = (f"m{ctx.models[0].model_id}" if ctx.models else "graph", ctx.report.index)
+    # the program's name on every rank: the model (sharded in the same order everywhere), the code
+    # dynamo compiled it from, and which compile of that code it is
+    program = collective_check.Program(f"m{ctx.models[0].model_id}" if ctx.models else "graph",
+                                       ctx.report.frame or f"graph {ctx.report.index}", ctx.report.frame_graph)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead

@@ -5,9 +5,10 @@ order) hangs the job with no word of where. graphshard knows every collective of
 before it runs, so at a program's first run each rank posts, per process group, the
 collectives it will issue there (op, dtype, sizes, arguments, in order) to the job's store, and
 compares them with what the group's other ranks posted for the same program: the same model,
-graph and stage. A mismatch raises on every rank of the group, naming the first collective that
-differs, each side's version and the FX node it came from (with the user's source line where the
-node has a stack trace).
+the same code dynamo compiled (a graph break's resume function is a code of its own), the same
+compile of that code, and the same stage. A mismatch raises on every rank of the group, naming
+the first collective that differs, each side's version and the FX node it came from (with the
+user's source line where the node has a stack trace).
 
 - No collective is used, and every wait on the store is bounded (by the process group's timeout,
   which is the store's): a peer that never reaches the program is an error that names it, not a
@@ -15,12 +16,11 @@ node has a stack trace).
 - Sizes the data decides (a sparse all-to-all's splits, ids per batch) are posted as ``?`` and
   match anything; what is static is compared.
 - A rank that recompiled alone (a guard that failed on its data only) compares its new graph
-  with the peer's latest one of the same model and stage, on what both have static, instead of
-  waiting for a compile the peer will not do.
+  with the peer's latest compile of the same code and stage, on what both have static, instead
+  of waiting for a compile the peer will not do.
 
-``CompileConfig.check_collectives=True`` turns it on (off by default until a model with graph
-breaks pairs its graphs right: see ``docs/design.md``); ``explain`` prints what was compared and
-what the first call spent on it.
+On by default; ``CompileConfig(check_collectives=False)`` turns it off. ``explain`` prints what was
+compared and what the first call spent on it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -167,17 +167,28 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of a process group would issue different collectives: the job would hang in them."""
 
 
+class Program(NamedTuple):
+    """A compiled program's name, the same on every rank that compiles it.
+
+    Not dynamo's frame ids or a count of the model's graphs: a frame only one rank compiles (a
+    reference run on rank 0) shifts those, and a model with graph breaks has several graphs whose
+    order of compilation is not the program's."""
+
+    model: str  # ``m<id>``: every rank shards its models in the same order
+    frame: str  # the code dynamo compiled it from (``forward (model.py:12)``; a resume function is its own)
+    compile: int  # which compile of that code, from 0 (a recompile is the next one)
+
+    def __str__(self) -> str:
+        return f"model {self.model}, {self.frame}, compile {self.compile}"
+
+
 class CollectiveCheck:
     """The comparison a program makes at its first run (`wrap`)."""
 
-    def __init__(self, gm: fx.GraphModule, program: tuple[str, int], stage: str,
+    def __init__(self, gm: fx.GraphModule, program: Program, stage: str,
                  report: Callable[[str], None] | None = None) -> None:
         self.by_group = fingerprint(gm)
-        # the model (``m<id>``: every rank shards its models in the same order) and its graph, counted
-        # from 0 (a recompile is the next graph). Not dynamo's frame ids: a frame only one rank compiles
-        # (a reference run on rank 0) shifts them.
-        self.program, self.index = program
-        self.stage, self.report = stage, report
+        self.program, self.stage, self.report = program, stage, report
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -188,12 +199,13 @@ class CollectiveCheck:
             peers = [r for r in ranks if r != rank]
             if not peers:
                 continue
-            base = f"{PREFIX}/{group}/{self.program}/{self.stage}"
-            store.set(f"{base}/{self.index}/{rank}", json.dumps([e.__dict__ for e in entries]))
-            store.set(f"{base}/latest/{rank}", str(self.index))
+            base = f"{PREFIX}/{group}/{self.program.model}/{self.program.frame}/{self.stage}"
+            store.set(f"{base}/{self.program.compile}/{rank}", json.dumps([e.__dict__ for e in entries]))
+            store.set(f"{base}/latest/{rank}", str(self.program.compile))
             for peer in peers:
                 theirs = self._peer_entries(store, base, peer)
-                _compare(group, self.stage, (rank, ranks.index(rank)), entries, (peer, ranks.index(peer)), theirs)
+                _compare(group, self.stage, (rank, ranks.index(rank)), entries, (peer, ranks.index(peer)), theirs,
+                         program=str(self.program))
             compared[group] = (len(entries), len(peers))
         if self.report is not None and compared:
             dynamic = sum(DYNAMIC in json.dumps(e.args) for es in self.by_group.values() for e in es)
@@ -202,7 +214,7 @@ class CollectiveCheck:
                         f"{(time.perf_counter() - t0) * 1e3:.1f} ms on the first call")
 
     def _peer_entries(self, store, base: str, peer: int) -> list[Entry]:
-        key = f"{base}/{self.index}/{peer}"
+        key = f"{base}/{self.program.compile}/{peer}"
         if not store.check([key]):
             latest = f"{base}/latest/{peer}"
             timeout = store.timeout  # the job's own bound: the store's timeout is the process group's
@@ -210,18 +222,18 @@ class CollectiveCheck:
                 store.wait([latest], timeout)
             except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
                 raise CollectiveMismatch(
-                    f"graphshard: rank {peer} did not reach this {self.stage} program (model {self.program}, graph {self.index}) "
+                    f"graphshard: rank {peer} did not reach this {self.stage} program ({self.program}) "
                     f"within {timeout.total_seconds():.0f} s; rank {dist.get_rank()} stops before its first collective. The "
                     "peer is stuck elsewhere or runs other code (a rank-dependent branch). "
                     "CompileConfig(check_collectives=False) turns this check off"
                 ) from e
-            if not store.check([key]):  # the peer runs an earlier graph of this model: compare with it
+            if not store.check([key]):  # the peer runs an earlier compile of this code: compare with it
                 key = f"{base}/{int(store.get(latest))}/{peer}"
         return [Entry(**e) for e in json.loads(store.get(key))]
 
 
 def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], them: tuple[int, int],
-             theirs: list[Entry]) -> None:
+             theirs: list[Entry], program: str = "") -> None:
     """Raises at the first collective that differs. ``me`` and ``them``: (global rank, position in the group)."""
     (rank, my_pos), (peer, peer_pos) = me, them
     for i in range(max(len(mine), len(theirs))):
@@ -235,7 +247,7 @@ def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], the
                  for r in (lo, hi)]
         raise CollectiveMismatch(
             f"graphshard: ranks {lo} and {hi} would issue different collectives on process group {group!r} in "
-            f"this {stage} program; collective #{i} differs:\n" + "\n".join(lines) + "\n"
+            f"this {stage} program{f' ({program})' if program else ''}; collective #{i} differs:\n" + "\n".join(lines) + "\n"
             "Every rank of a group must run the same program: look for a branch on the rank, a plan or model built "
             "differently on one rank, or inputs of another shape. Nothing was issued; the job would have hung in it."
         )

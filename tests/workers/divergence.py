@@ -8,7 +8,12 @@ reports what each rank raised (rank 1's message reaches rank 0 through the store
 - ``plan``: rank 1 shards with another plan (every layer its own unit, rank 0 one unit);
 - ``shape``: tensor parallelism with an input of another batch size on rank 1 (the row-parallel
   layer's all-reduce has another size);
-- ``same``: every rank alike, the check passes and ``explain`` prints what it compared.
+- ``same``: every rank alike, the check passes and ``explain`` prints what it compared;
+- ``break``: a graph break in the forward (two frames: ``forward`` and dynamo's resume function)
+  and a second step with another batch size (each frame compiles again): every rank alike, each
+  graph is compared with the same frame's same compile on the peer, and the check passes;
+- ``break_branch``: the same graph break, with rank 1's extra unit after it: caught in the
+  resume function's program, which the error names.
 
 The process group's collective timeout is 60 s: were a case to reach a mismatched collective, the
 job would fail there, and the test's time bound would show it.
@@ -37,9 +42,12 @@ class Net(nn.Module):
         self.b = nn.Linear(dim, dim, bias=False)  # its gather differs from the others' in more than its name
         self.c = nn.Linear(dim, dim)
         self.extra = extra
+        self.graph_break = False
 
     def forward(self, x):
         x = torch.relu(self.a(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()
         if self.extra:  # the rank-dependent branch
             x = torch.relu(self.b(x))
         return self.c(x)
@@ -58,8 +66,9 @@ def build(case: str, rank: int):
             "c": graphshard.ShardParams("tp", weight=Shard(1)),
         })
         return model, plan, torch.randn(6 if rank == 1 else 4, 8)
-    model = Net(extra=case == "branch" and rank == 1)
-    per_layer = case == "branch" or case == "plan" and rank == 1
+    model = Net(extra=case in ("branch", "break_branch") and rank == 1)
+    model.graph_break = case.startswith("break")
+    per_layer = case in ("branch", "break_branch") or case == "plan" and rank == 1
     units = {"a": graphshard.FullyShard(), "b": graphshard.FullyShard(), "c": graphshard.FullyShard()} if per_layer else {}
     return model, graphshard.Plan(_mesh(), {**units, "": graphshard.FullyShard()}), torch.randn(4, 8)
 
@@ -67,11 +76,13 @@ def build(case: str, rank: int):
 def run(case: str) -> dict:
     rank = dist.get_rank()
     model, plan, x = build(case, rank)
-    model = graphshard.compile(model, plan, lower="eager", check_collectives=True)
+    model = graphshard.compile(model, plan, lower="eager")  # the check is on by default
     t0 = time.perf_counter()
     error = ""
     try:
         model(x).sum().backward()
+        if case == "break":  # another batch size: both frames compile again, on every rank
+            model(torch.randn(6, 8)).sum().backward()
     except graphshard.CollectiveMismatch as e:
         error = str(e)
     except Exception as e:  # dynamo wraps a backend's errors: find ours in the chain
