@@ -17,7 +17,8 @@ user's source line where the node has a stack trace).
   match anything; what is static is compared.
 - A rank that recompiled alone (a guard that failed on its data only) compares its new graph
   with the peer's latest compile of the same code and stage, on what both have static, instead
-  of waiting for a compile the peer will not do.
+  of waiting for a compile the peer will not do. Where those differ, the peer may be making the
+  same recompile later: the rank then waits (bounded) for the peer's compile and compares with it.
 
 On by default; ``CompileConfig(check_collectives=False)`` turns it off. ``explain`` prints what was
 compared and what the first call spent on it.
@@ -203,9 +204,18 @@ class CollectiveCheck:
             store.set(f"{base}/{self.program.compile}/{rank}", json.dumps([e.__dict__ for e in entries]))
             store.set(f"{base}/latest/{rank}", str(self.program.compile))
             for peer in peers:
-                theirs = self._peer_entries(store, base, peer)
-                _compare(group, self.stage, (rank, ranks.index(rank)), entries, (peer, ranks.index(peer)), theirs,
-                         program=str(self.program))
+                me, them = (rank, ranks.index(rank)), (peer, ranks.index(peer))
+                theirs, exact = self._peer_entries(store, base, peer)
+                try:
+                    _compare(group, self.stage, me, entries, them, theirs, program=str(self.program))
+                except CollectiveMismatch as differs:
+                    if exact:
+                        raise
+                    # the peer's latest compile differs from this one: it may be compiling this one still (a
+                    # recompile both ranks make, one later). Compare with that once it is posted; the
+                    # difference stands if it never comes.
+                    theirs = self._exact_entries(store, base, peer, differs)
+                    _compare(group, self.stage, me, entries, them, theirs, program=str(self.program))
             compared[group] = (len(entries), len(peers))
         if self.report is not None and compared:
             dynamic = sum(DYNAMIC in json.dumps(e.args) for es in self.by_group.values() for e in es)
@@ -213,23 +223,38 @@ class CollectiveCheck:
             self.report(f"{groups}; {dynamic} with data-dependent sizes (compared on their static part); "
                         f"{(time.perf_counter() - t0) * 1e3:.1f} ms on the first call")
 
-    def _peer_entries(self, store, base: str, peer: int) -> list[Entry]:
+    def _peer_entries(self, store, base: str, peer: int) -> tuple[list[Entry], bool]:
+        """The peer's collectives for this compile of this code, or (the peer has not posted it) for
+        its latest compile of the code; and whether they are this compile's."""
         key = f"{base}/{self.program.compile}/{peer}"
-        if not store.check([key]):
-            latest = f"{base}/latest/{peer}"
-            timeout = store.timeout  # the job's own bound: the store's timeout is the process group's
-            try:
-                store.wait([latest], timeout)
-            except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
-                raise CollectiveMismatch(
-                    f"graphshard: rank {peer} did not reach this {self.stage} program ({self.program}) "
-                    f"within {timeout.total_seconds():.0f} s; rank {dist.get_rank()} stops before its first collective. The "
-                    "peer is stuck elsewhere or runs other code (a rank-dependent branch). "
-                    "CompileConfig(check_collectives=False) turns this check off"
-                ) from e
-            if not store.check([key]):  # the peer runs an earlier compile of this code: compare with it
-                key = f"{base}/{int(store.get(latest))}/{peer}"
-        return [Entry(**e) for e in json.loads(store.get(key))]
+        if store.check([key]):
+            return _entries(store, key), True
+        latest = f"{base}/latest/{peer}"
+        self._wait(store, [latest], f"rank {peer} did not reach this {self.stage} program ({self.program})")
+        if store.check([key]):
+            return _entries(store, key), True
+        return _entries(store, f"{base}/{int(store.get(latest))}/{peer}"), False
+
+    def _exact_entries(self, store, base: str, peer: int, differs: CollectiveMismatch) -> list[Entry]:
+        self._wait(store, [f"{base}/{self.program.compile}/{peer}"],
+                   f"rank {peer} did not compile this {self.stage} program ({self.program}), and its latest compile "
+                   f"of the code differs:\n{differs}\n", cause=differs)
+        return _entries(store, f"{base}/{self.program.compile}/{peer}")
+
+    def _wait(self, store, keys: list[str], what: str, cause: Exception | None = None) -> None:
+        timeout = store.timeout  # the job's own bound: the store's timeout is the process group's
+        try:
+            store.wait(keys, timeout)
+        except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
+            raise CollectiveMismatch(
+                f"graphshard: {what} within {timeout.total_seconds():.0f} s; rank {dist.get_rank()} stops before its "
+                "first collective. The peer is stuck elsewhere or runs other code (a rank-dependent branch, a "
+                "recompile on this rank only). CompileConfig(check_collectives=False) turns this check off"
+            ) from (cause or e)
+
+
+def _entries(store, key: str) -> list[Entry]:
+    return [Entry(**e) for e in json.loads(store.get(key))]
 
 
 def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], them: tuple[int, int],

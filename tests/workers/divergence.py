@@ -13,7 +13,11 @@ reports what each rank raised (rank 1's message reaches rank 0 through the store
   and a second step with another batch size (each frame compiles again): every rank alike, each
   graph is compared with the same frame's same compile on the peer, and the check passes;
 - ``break_branch``: the same graph break, with rank 1's extra unit after it: caught in the
-  resume function's program, which the error names.
+  resume function's program, which the error names;
+- ``late``: tensor parallelism, a second step with a batch of 1 on every rank (dynamo specializes
+  size 1, so the new graph's sizes are static), rank 0 3 s
+  after rank 1: rank 1's recompile first meets rank 0's first compile (another all-reduce size),
+  waits for rank 0's recompile and passes.
 
 The process group's collective timeout is 60 s: were a case to reach a mismatched collective, the
 job would fail there, and the test's time bound would show it.
@@ -59,13 +63,13 @@ def _mesh():
 
 def build(case: str, rank: int):
     torch.manual_seed(0)
-    if case == "shape":
+    if case in ("shape", "late"):
         model = Net(False)
         plan = graphshard.Plan(init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)), {
             "a": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0)),
             "c": graphshard.ShardParams("tp", weight=Shard(1)),
         })
-        return model, plan, torch.randn(6 if rank == 1 else 4, 8)
+        return model, plan, torch.randn(6 if rank == 1 and case == "shape" else 4, 8)
     model = Net(extra=case in ("branch", "break_branch") and rank == 1)
     model.graph_break = case.startswith("break")
     per_layer = case in ("branch", "break_branch") or case == "plan" and rank == 1
@@ -81,8 +85,10 @@ def run(case: str) -> dict:
     error = ""
     try:
         model(x).sum().backward()
-        if case == "break":  # another batch size: both frames compile again, on every rank
-            model(torch.randn(6, 8)).sum().backward()
+        if case in ("break", "late"):  # another batch size: every frame compiles again, on every rank
+            if case == "late" and rank == 0:
+                time.sleep(3)
+            model(torch.randn(1 if case == "late" else 6, 8)).sum().backward()  # 1: a static size (0/1 specialization)
     except graphshard.CollectiveMismatch as e:
         error = str(e)
     except Exception as e:  # dynamo wraps a backend's errors: find ours in the chain
