@@ -220,7 +220,8 @@ def dynamo_frame() -> str | None:
         code = InstructionTranslator.current_tx().f_code
     except AttributeError:  # no frame is being translated (a graph traced without dynamo)
         return None
-    return f"{code.co_name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    name = getattr(code, "co_qualname", code.co_name)  # 3.11+: unchanged by a renamed copy (storage's forward_<n>)
+    return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
 def proxy_trace_graph() -> torch.fx.Graph | None:

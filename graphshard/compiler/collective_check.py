@@ -175,7 +175,7 @@ class Program(NamedTuple):
     reference run on rank 0) shifts those, and a model with graph breaks has several graphs whose
     order of compilation is not the program's."""
 
-    model: str  # ``m<id>``: every rank shards its models in the same order
+    model: str  # ``m<id>``, this process's; on the store, its order among the group's models (`_model_on_group`)
     frame: str  # the code dynamo compiled it from (``forward (model.py:12)``; a resume function is its own)
     compile: int  # which compile of that code, from 0 (a recompile is the next one)
 
@@ -200,7 +200,7 @@ class CollectiveCheck:
             peers = [r for r in ranks if r != rank]
             if not peers:
                 continue
-            base = f"{PREFIX}/{group}/{self.program.model}/{self.program.frame}/{self.stage}"
+            base = f"{PREFIX}/{group}/{_model_on_group(group, self.program.model)}/{self.program.frame}/{self.stage}"
             store.set(f"{base}/{self.program.compile}/{rank}", json.dumps([e.__dict__ for e in entries]))
             store.set(f"{base}/latest/{rank}", str(self.program.compile))
             for peer in peers:
@@ -251,6 +251,19 @@ class CollectiveCheck:
                 "first collective. The peer is stuck elsewhere or runs other code (a rank-dependent branch, a "
                 "recompile on this rank only). CompileConfig(check_collectives=False) turns this check off"
             ) from (cause or e)
+
+
+_MODELS_ON_GROUP: dict[str, list[str]] = {}
+
+
+def _model_on_group(group: str, model: str) -> str:
+    """The model's name on the group: which of the models that ran programs on this group it is, in
+    the order they first did. Not the model's id: that counts every model this process sharded, and
+    a rank that shards one more (a reference model on a one-rank mesh) shifts it."""
+    seen = _MODELS_ON_GROUP.setdefault(group, [])
+    if model not in seen:
+        seen.append(model)
+    return f"model{seen.index(model)}"
 
 
 def _entries(store, key: str) -> list[Entry]:
