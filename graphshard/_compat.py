@@ -209,7 +209,7 @@ def default_store():
 
 
 def dynamo_frame() -> str | None:
-    """The code dynamo is compiling, as ``name (file:first line)`` with the file's base name (the same
+    """The code dynamo is compiling, as ``qualified name (file:first line)`` with the file's base name (the same
     on every rank of a job), or None outside a dynamo compile. A graph break's resume function is a
     code of its own (``torch_dynamo_resume_in_forward_at_57``)."""
     import os

@@ -175,7 +175,7 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     params = {k: p for m in models for k, p in m.params.items()}
     frame = _compat.dynamo_frame()
     report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids), frame=frame,
-                         frame_graph=sum(r.frame == frame for r in models[0].explain) if models else 0)
+                         frame_compile=sum(r.frame == frame for r in models[0].explain) if models else 0)
     if models:
         models[0].explain.append(report)
     model_parallel, group_axes = _axes(markers, layouts, params, models)
@@ -369,7 +369,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
     # the program's name on every rank: the model (sharded in the same order everywhere), the code
     # dynamo compiled it from, and which compile of that code it is
     program = collective_check.Program(f"m{ctx.models[0].model_id}" if ctx.models else "graph",
-                                       ctx.report.frame or f"graph {ctx.report.index}", ctx.report.frame_graph)
+                                       ctx.report.frame or f"graph {ctx.report.index}", ctx.report.frame_compile)
 
     def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
         nonlocal partitioned, ahead

@@ -176,7 +176,7 @@ class Program(NamedTuple):
     order of compilation is not the program's."""
 
     model: str  # ``m<id>``, this process's; on the store, its order among the group's models (`_model_on_group`)
-    frame: str  # the code dynamo compiled it from (``forward (model.py:12)``; a resume function is its own)
+    frame: str  # the code dynamo compiled it from (``Net.forward (model.py:12)``; a resume function is its own)
     compile: int  # which compile of that code, from 0 (a recompile is the next one)
 
     def __str__(self) -> str:
@@ -227,19 +227,18 @@ class CollectiveCheck:
         """The peer's collectives for this compile of this code, or (the peer has not posted it) for
         its latest compile of the code; and whether they are this compile's."""
         key = f"{base}/{self.program.compile}/{peer}"
-        if store.check([key]):
-            return _entries(store, key), True
-        latest = f"{base}/latest/{peer}"
-        self._wait(store, [latest], f"rank {peer} did not reach this {self.stage} program ({self.program})")
-        if store.check([key]):
-            return _entries(store, key), True
-        return _entries(store, f"{base}/{int(store.get(latest))}/{peer}"), False
+        if not store.check([key]):
+            latest = f"{base}/latest/{peer}"
+            self._wait(store, [latest], f"rank {peer} did not reach this {self.stage} program ({self.program})")
+            if not store.check([key]):
+                return _entries(store, f"{base}/{int(store.get(latest))}/{peer}"), False
+        return _entries(store, key), True
 
     def _exact_entries(self, store, base: str, peer: int, differs: CollectiveMismatch) -> list[Entry]:
-        self._wait(store, [f"{base}/{self.program.compile}/{peer}"],
-                   f"rank {peer} did not compile this {self.stage} program ({self.program}), and its latest compile "
-                   f"of the code differs:\n{differs}\n", cause=differs)
-        return _entries(store, f"{base}/{self.program.compile}/{peer}")
+        key = f"{base}/{self.program.compile}/{peer}"
+        self._wait(store, [key], f"rank {peer} did not compile this {self.stage} program ({self.program}), and its "
+                   f"latest compile of the code differs:\n{differs}\n", cause=differs)
+        return _entries(store, key)
 
     def _wait(self, store, keys: list[str], what: str, cause: Exception | None = None) -> None:
         timeout = store.timeout  # the job's own bound: the store's timeout is the process group's

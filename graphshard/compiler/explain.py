@@ -22,7 +22,7 @@ class CollectiveRecord:
 class GraphReport:
     index: int
     frame: str | None = None  # the code dynamo compiled it from (_compat.dynamo_frame)
-    frame_graph: int = 0      # graphs of this model compiled from that frame before it (its recompiles)
+    frame_compile: int = 0    # which compile of that code: graphs of this model compiled from it before
     collectives: list[CollectiveRecord] = field(default_factory=list)
     units: dict[str, list[str]] = field(default_factory=dict)        # unit -> parameter FQNs
     order: dict[str, list[str]] = field(default_factory=dict)        # stage -> collective/compute order
@@ -37,7 +37,7 @@ class GraphReport:
     collective_check: dict[str, str] = field(default_factory=dict)  # stage -> what the ranks compared, its cost
 
     def format(self) -> str:
-        lines = [f"graph {self.index}" + (f" ({self.frame}, compile {self.frame_graph})" if self.frame else "") + ":"]
+        lines = [f"graph {self.index}" + (f" ({self.frame}, compile {self.frame_compile})" if self.frame else "") + ":"]
         if self.sparse:
             lines.append("  sharded embeddings:")
             lines.extend(f"    {line}" for line in self.sparse)
