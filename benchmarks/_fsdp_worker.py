@@ -10,7 +10,11 @@ Variants (see `VARIANTS`):
 
 * ``fsdp2``                 ``fully_shard`` on every block, then the root; eager.
 * ``fsdp2_compile_root``    as ``fsdp2``, then ``torch.compile`` of the sharded root.
-* ``fsdp2_compile_blocks``  ``block.compile()`` on every block, then ``fully_shard`` (torchtitan's recipe).
+* ``fsdp2_compile_blocks``  ``block.compile()`` on every block, then ``fully_shard`` (torchtitan's recipe; torch's
+                            "regional compilation" recipe: identical blocks share one compiled artifact).
+* ``fsdp2_nested``          ``fully_shard`` on every block and the root, each block's forward marked
+                            ``torch.compiler.nested_compile_region``, then ``torch.compile`` of the root (torch's
+                            hierarchical compilation: one region compiled, stamped out for every block).
 * ``fsdp1``                 ``FullyShardedDataParallel``, one unit per block, ``use_orig_params=True``.
 * ``fsdp1_flat``            the same with ``use_orig_params=False`` (flat parameters).
 * ``gs_fsdp1`` / ``gs_fsdp1_flat``  the same two programs with ``graphshard.fsdp.FullyShardedDataParallel``.
@@ -32,6 +36,9 @@ variant shards or compiles it, the same way for every variant (`apply_ac`): torc
 ``layers[i]`` is then the ``CheckpointWrapper``, which is what ``fully_shard``, ``block.compile()``
 and graphshard's ``"layers.*"`` rule get (torchtitan's order: AC, compile, fully_shard).
 
+``--model llama`` runs the same variants on an HF ``LlamaForCausalLM`` built from a config (no
+weights), its ``model.layers[i]`` (``LlamaDecoderLayer``) in the role of the blocks.
+
 A variant that cannot be built here (graphshard without ``compile``) raises
 `Unavailable`; the run then reports ``status: unavailable`` and exits cleanly.
 """
@@ -52,7 +59,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch  # noqa: E402
+from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch  # noqa: E402
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -85,16 +92,18 @@ def apply_ac(model: torch.nn.Module, mode: str) -> None:
         CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    blocks = blocks_of(model)[1]
+    block_type = type(blocks[0])
     kw = {}
     if mode == "selective":
         kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
     apply_activation_checkpointing(
         model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                        **kw),
-        check_fn=lambda m: isinstance(m, Block))
+        check_fn=lambda m: isinstance(m, block_type))
     wrapped = sum(type(m).__name__ == "CheckpointWrapper" for m in model.modules())
-    if wrapped != len(model.layers):
-        raise RuntimeError(f"--ac {mode}: {wrapped} CheckpointWrappers for {len(model.layers)} blocks")
+    if wrapped != len(blocks):
+        raise RuntimeError(f"--ac {mode}: {wrapped} CheckpointWrappers for {len(blocks)} blocks")
 
 
 FORWARD_MARK = "forward"
@@ -114,7 +123,8 @@ def _make_step(module: Callable, params, lr: float) -> StepFn:
 
     def step(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with C.mark_region(FORWARD_MARK, DEVICE[0]):
-            loss = lm_loss(module(tokens), targets)
+            out = module(tokens)
+            loss = lm_loss(getattr(out, "logits", out), targets)
         loss.backward()
         t0 = time.perf_counter()
         opt.step()
@@ -125,15 +135,28 @@ def _make_step(module: Callable, params, lr: float) -> StepFn:
     return step
 
 
-def build_fsdp2(model, mesh, lr, *, compile_root=False, compile_blocks=False) -> StepFn:
+def blocks_of(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The model's repeated blocks and their container's FQN: ``layers`` of the benchmark
+    `Transformer`, ``model.layers`` of an HF causal LM."""
+    inner = getattr(model, "model", None)
+    if isinstance(getattr(inner, "layers", None), torch.nn.ModuleList):
+        return "model.layers", inner.layers
+    return "layers", model.layers
+
+
+def build_fsdp2(model, mesh, lr, *, compile_root=False, compile_blocks=False, nested=False) -> StepFn:
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.layers:
+    blocks = blocks_of(model)[1]
+    if nested:  # on the block's class (the mark takes a function, not a bound method); this process only
+        cls = type(blocks[0])
+        cls.forward = torch.compiler.nested_compile_region(cls.forward)
+    for block in blocks:
         if compile_blocks:
             block.compile()
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    module = torch.compile(model) if compile_root else model
+    module = torch.compile(model) if compile_root or nested else model
     return _make_step(module, model.parameters(), lr)
 
 
@@ -149,7 +172,7 @@ def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False,
     dev = mesh.device_type
     fsdp = FSDP(
         model,
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        auto_wrap_policy=ModuleWrapPolicy({type(blocks_of(model)[1][0])}),
         use_orig_params=use_orig_params,
         forward_prefetch=forward_prefetch,
         # An explicit CPU device_id is FSDP1's (only) way to run without an accelerator.
@@ -158,12 +181,14 @@ def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False,
     return _make_step(fsdp, fsdp.parameters(), lr)
 
 
-def _graphshard_plan(mesh, **spec):
+def _graphshard_plan(mesh, blocks: str = "layers", **spec):
+    """FullyShard on every block (``<blocks>.*``, see `blocks_of`) and the root."""
     try:
         import graphshard
     except Exception as e:  # noqa: BLE001
         raise C.Unavailable(f"import graphshard failed: {e!r}") from e
-    return graphshard, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(**spec), "": graphshard.FullyShard(**spec)})
+    return graphshard, graphshard.Plan(mesh, {f"{blocks}.*": graphshard.FullyShard(**spec),
+                                              "": graphshard.FullyShard(**spec)})
 
 
 FSDP1_DEFAULTS = dict(forward_prefetch=False, backward_prefetch="pre", limit_all_gathers=2)
@@ -171,7 +196,7 @@ FSDP1_DEFAULTS = dict(forward_prefetch=False, backward_prefetch="pre", limit_all
 
 
 def build_graphshard(model, mesh, lr, compile_kwargs=None, **spec) -> StepFn:
-    graphshard, plan = _graphshard_plan(mesh, **spec)
+    graphshard, plan = _graphshard_plan(mesh, blocks_of(model)[0], **spec)
     graphshard.compile(model, plan, **(compile_kwargs or {}))
     return _make_step(model, model.parameters(), lr)
 
@@ -182,7 +207,7 @@ def build_graphshard_comm(model, mesh, lr) -> StepFn:
     of the units it reshards (backward; not the root) and every unit's gradient reduction.
     On a CPU machine the ranks' transfers run on the cores that compute, so this run's CPU
     seconds per step are what communication takes from any sharded step."""
-    graphshard, plan = _graphshard_plan(mesh)
+    graphshard, plan = _graphshard_plan(mesh, blocks_of(model)[0])
     from graphshard.ops.dense import gather_params, reduce_grads
 
     graphshard.shard(model, plan)
@@ -234,6 +259,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "fsdp2": build_fsdp2,
     "fsdp2_compile_root": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_root=True),
     "fsdp2_compile_blocks": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, compile_blocks=True),
+    "fsdp2_nested": lambda m, mesh, lr: build_fsdp2(m, mesh, lr, nested=True),
     "fsdp1": build_fsdp1,
     "fsdp1_flat": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, use_orig_params=False),
     "gs_fsdp1": lambda m, mesh, lr: build_fsdp1(m, mesh, lr, graphshard_fsdp=True),
@@ -252,10 +278,31 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
 }
 
 
+MODELS = ("transformer", "llama")
+
+
+def build_model(args) -> torch.nn.Module:
+    """``--model``: the benchmark `Transformer`, or an HF Llama of the same sizes (4 heads, an MLP
+    of 4 x dim, RoPE, RMSNorm), built from a config with random weights."""
+    if args.model == "transformer":
+        cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4,
+                                max_seq_len=args.seq)
+        return Transformer(cfg)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.dim, intermediate_size=4 * args.dim,
+                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=args.seq, tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    return LlamaForCausalLM(cfg)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", required=True, choices=sorted(VARIANTS))
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--model", choices=MODELS, default="transformer",
+                   help="the benchmark Transformer, or an HF LlamaForCausalLM from a config of the same sizes")
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--batch", type=int, default=8, help="sequences per rank")
     p.add_argument("--seq", type=int, default=128)
@@ -286,10 +333,8 @@ def run(args: argparse.Namespace, ctx: C.DistCtx) -> dict | None:
 
     t0 = time.perf_counter()
     mesh = init_device_mesh(ctx.device_type, (ctx.world,), mesh_dim_names=("dp",))
-    cfg = TransformerConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=4,
-                            max_seq_len=args.seq)
     torch.manual_seed(args.seed)
-    model = Transformer(cfg).to(ctx.device)
+    model = build_model(args).to(ctx.device)
     DEVICE[0] = ctx.device
     apply_ac(model, args.ac)
     AUTO.update(batch=batch(0)[0], budget=int(args.auto_budget_mib * 2**20) if args.auto_budget_mib else 2**62)
@@ -339,7 +384,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     ctx = C.init_dist()
     base = {
-        "variant": args.variant, "ac": args.ac, "auto_plan": AUTO.get("plan"), "layers": args.layers,
+        "variant": args.variant, "model": args.model, "ac": args.ac, "auto_plan": AUTO.get("plan"), "layers": args.layers,
         "batch_per_rank": args.batch, "seq": args.seq,
         "warmup": args.warmup, "steps": args.steps, "device": str(ctx.device), "backend": ctx.backend,
         "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -30,6 +30,7 @@ def launch(
     log_path: str,
     env: dict[str, str] | None = None,
     fresh_compile_cache: bool = True,
+    cache_dir: str | None = None,
     timeout: float = 3600.0,
     on_progress: Callable[[int, int, str], None] | None = None,
 ) -> dict[str, Any]:
@@ -39,15 +40,18 @@ def launch(
     ``@@progress`` line, and returns the JSON rank 0 wrote (or a
     ``{"status": "failed", ...}`` record). With ``fresh_compile_cache`` the
     Inductor/Triton caches point at a new empty directory, so every run pays
-    a cold compile, as the first run in a fresh environment would.
+    a cold compile, as the first run in a fresh environment would. ``cache_dir`` instead
+    points them at that directory, which outlives the run: launched twice with the same one,
+    the second run is a warm start (a second process on the same model and plan).
     """
     tmp = tempfile.mkdtemp(prefix="gsbench_")
     out = os.path.join(tmp, "result.json")
     run_env = dict(os.environ if env is None else env)
     run_env["PYTHONUNBUFFERED"] = "1"
-    if fresh_compile_cache:
-        run_env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        run_env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
+    if fresh_compile_cache or cache_dir:
+        caches = cache_dir or tmp
+        run_env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(caches, "inductor")
+        run_env["TRITON_CACHE_DIR"] = os.path.join(caches, "triton")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            script, *args, "--out", out]
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_fsdp.py --reps 2 --layers 4     # comparison table and ratios
     python benchmarks/bench_fsdp.py --sweep                 # step/compile/memory vs depth 2, 4, 8 + PNG
+    python benchmarks/bench_fsdp.py --sweep --depths 2,4,8,16,32 --warm-start \
+        --variants graphshard,fsdp2_compile_blocks,fsdp2_nested --reps 1   # first step vs depth, cold and warm
     python benchmarks/bench_fsdp.py --quick                 # smoke run: 1 rep, 1 warmup + 3 steps
     python benchmarks/bench_fsdp.py --ac-compare --layers 8 # activation checkpointing: none/full/selective
 
@@ -17,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +37,10 @@ DEFAULT_VARIANTS = ("fsdp2", *COMPILE_PEERS, "fsdp1", "graphshard", "graphshard_
 LOCAL_FLOOR = "local_compile"  # N ranks, no sharding, no communication: the contended compute floor
 COMM_ONLY = "graphshard_comm"  # graphshard's collectives of a step alone: their CPU cost
 SWEEP_VARIANTS = ("fsdp2", *COMPILE_PEERS, "graphshard")
+DEPTH_PEER = "fsdp2_compile_blocks"  # the first-step-against-depth target's peer (issue 31)
+DEPTH_TARGETS = {"deepest_over_4_layers": 1.2, "deepest_over_peer": 0.7}
+"""Setup + first step (cold caches): at the deepest depth over at 4 layers, and over `DEPTH_PEER` at
+the deepest depth. Printed beside the figures, never asserted."""
 WS1 = "_ws1"  # suffix: the same variant launched with one process (the no-communication floor)
 AC_SEP = "@"  # suffix "@full" / "@selective" / "@none": the worker's --ac (activation checkpointing of the blocks)
 AC_MODES = ("none", "full", "selective")
@@ -82,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs present, else 2)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: OMP_NUM_THREADS per rank, also for world-1 runs (default cores // nproc)")
+    p.add_argument("--model", choices=("transformer", "llama"), default="transformer",
+                   help="the benchmark Transformer, or an HF LlamaForCausalLM built from a config of the same sizes")
+    p.add_argument("--warm-start", action="store_true",
+                   help="launch every run a second time on the first run's (cold, then filled) compile caches: "
+                        "the warm start of a second process on the same model and plan")
     C.add_runner_args(p, "fsdp.json / fsdp_sweep.json")
     a = p.parse_args(argv)
     a.reps = a.reps or (1 if a.quick else 2)
@@ -127,7 +140,7 @@ def run_one(args, variant: str, layers: int, rep: int, nproc: int, env: dict[str
     base, one_proc, ac = split_label(variant)
     world = 1 if one_proc else nproc
     worker_args = ["--variant", base, "--layers", str(layers), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--data-world", str(nproc), "--ac", ac]
+                   "--steps", str(args.steps), "--data-world", str(nproc), "--ac", ac, "--model", args.model]
     tag = f"{variant} L{layers} rep{rep}" + (f" retry{attempt}" if attempt else "")
     bar = tqdm(total=1 + args.warmup + args.steps, desc="  " + tag, position=1, leave=False, dynamic_ncols=True)
 
@@ -139,16 +152,32 @@ def run_one(args, variant: str, layers: int, rep: int, nproc: int, env: dict[str
     waited = _launch.wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
     name = f"fsdp_{variant.replace(AC_SEP, '_ac-')}_L{layers}_r{rep}" + (f"_a{attempt}" if attempt else "")
     log = os.path.join(args.out_dir, "logs", name + ".log")
-    with _launch.CpuMonitor() as mon:
-        res = _launch.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
-                             fresh_compile_cache=not args.warm_cache, on_progress=on_progress, log_path=log)
+    caches = tempfile.mkdtemp(prefix="gsbench_caches_") if args.warm_start else None
+    try:
+        with _launch.CpuMonitor() as mon:
+            res = _launch.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout,
+                                 fresh_compile_cache=not args.warm_cache, cache_dir=caches, on_progress=on_progress,
+                                 log_path=log)
+        if caches and res["status"] == "ok":
+            bar.set_postfix_str("warm start", refresh=True)
+            warm = _launch.launch(WORKER, worker_args, nproc=world, env=env, timeout=args.timeout, cache_dir=caches,
+                                  on_progress=on_progress, log_path=log.removesuffix(".log") + "_warm.log")
+            if warm["status"] == "ok":
+                res.update(setup_warm_s=warm["setup_s"], first_step_warm_s=warm["first_step_s"],
+                           ttfs_warm_s=warm["setup_s"] + warm["first_step_s"], step_warm_s=warm["step_s"])
+            else:
+                res["warm_status"] = f"{warm['status']}: {warm.get('reason', '')}"
+    finally:
+        if caches:
+            shutil.rmtree(caches, ignore_errors=True)
     bar.close()
     res.update(variant=variant, ac=ac, layers=layers, rep=rep, attempt=attempt, other_cpu_pct=mon.other_pct,
                steal_pct=mon.steal_pct, idle_wait_s=waited)
     if res["status"] == "ok":
         res["ttfs_s"] = res["setup_s"] + res["first_step_s"]
         act = res.get("activation_mib")
-        res["_msg"] = (f"{tag:34s} step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s  peak live "
+        warm_msg = f" (warm {res['ttfs_warm_s']:.1f}s)" if "ttfs_warm_s" in res else ""
+        res["_msg"] = (f"{tag:34s} step {res['step_s']:.3f}s  1st {res['first_step_s']:.1f}s{warm_msg}  peak live "
                        f"{res['peak_live_mib']:.0f} MiB"
                        + (f" (activations {act:.0f})" if act is not None else "")
                        + f"  RSS {res['rss_mib']:.0f} MiB  "
@@ -313,8 +342,11 @@ def sharded_floor(records, subject: str, layers: int, reps: int, peer: str = "fs
 def sweep_report(records, args) -> tuple[str, dict]:
     variants = [v for v in args.variants if not v.endswith(WS1)]
     sections, panels = [], {}
-    for key, title in (("step_s", "median step time (s)"), ("ttfs_s", "setup + first step (s)"),
-                       ("peak_live_mib", "peak live tensor memory (MiB)"), ("rss_mib", "peak RSS (MiB)")):
+    keys = [("step_s", "median step time (s)"), ("ttfs_s", "setup + first step (s)")]
+    if args.warm_start:
+        keys.append(("ttfs_warm_s", "setup + first step, warm caches (s)"))
+    keys += [("peak_live_mib", "peak live tensor memory (MiB)"), ("rss_mib", "peak RSS (MiB)")]
+    for key, title in keys:
         series = {v: [C.median(per_rep(records, v, d, key, args.reps)) for d in args.depths] for v in variants}
         rows = [[d, *(_cell(series[v][i], key) for v in variants)] for i, d in enumerate(args.depths)]
         sections.append(f"### {title}\n\n" + C.markdown_table(["layers", *variants], rows))
@@ -324,9 +356,38 @@ def sweep_report(records, args) -> tuple[str, dict]:
         if args.subject in variants:
             sections.append(f"### {args.subject} / peers at {d} layers\n\n"
                             + ratio_table(records, args.subject, d, args.reps)[0])
-    png = C.plot_lines(args.depths, panels, os.path.join(args.out_dir, "fsdp_sweep.png"), xlabel="layers",
-                       title="FSDP depth sweep (per rank)")
-    return "\n\n".join(sections), {"png": png}
+    targets, extra = depth_targets(records, args, variants)
+    if targets:
+        sections.append(targets)
+    png = C.plot_lines(args.depths, panels, os.path.join(args.out_dir, sweep_name(args) + ".png"), xlabel="layers",
+                       title=f"FSDP depth sweep, {args.model} (per rank)")
+    return "\n\n".join(sections), {"png": png, **extra}
+
+
+def sweep_name(args) -> str:
+    """Output name of a sweep: ``fsdp_sweep`` (the benchmark Transformer) or ``fsdp_sweep_<model>``."""
+    return "fsdp_sweep" + ("" if args.model == "transformer" else f"_{args.model}")
+
+
+def depth_targets(records, args, variants) -> tuple[str, dict]:
+    """`DEPTH_TARGETS`: how the subject's setup + first step grows with depth (cold caches), and
+    where it stands against `DEPTH_PEER` at the deepest depth."""
+    subject, deep = args.subject, max(args.depths)
+    if subject not in variants or 4 not in args.depths or deep <= 4:
+        return "", {}
+
+    def ttfs(v: str, d: int) -> list[float | None]:
+        return per_rep(records, v, d, "ttfs_s", args.reps)
+
+    growth = C.paired_ratio(ttfs(subject, deep), ttfs(subject, 4))
+    rows = [[f"{subject} at {deep} layers / at 4 layers", _target(growth, DEPTH_TARGETS["deepest_over_4_layers"])]]
+    out = {"deepest_over_4_layers": growth}
+    if DEPTH_PEER in variants:
+        vs = C.paired_ratio(ttfs(subject, deep), ttfs(DEPTH_PEER, deep))
+        rows.append([f"{subject} / {DEPTH_PEER} at {deep} layers", _target(vs, DEPTH_TARGETS["deepest_over_peer"])])
+        out["deepest_over_peer"] = vs
+    return ("### setup + first step against depth, cold caches (targets printed, not asserted)\n\n"
+            + C.markdown_table(["ratio", "value (target)"], rows)), out
 
 
 # --------------------------------------------------------------------------- activation checkpointing
@@ -492,7 +553,7 @@ def _ac_vs_peer(records, out: dict, subject: str, peer: str, layers: int, reps: 
 
 def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
     """Markdown report, output name and summary for the runs."""
-    header = (f"# FSDP benchmark: {hw}; batch 8/rank x seq 128, AdamW; warmup {args.warmup}, "
+    header = (f"# FSDP benchmark: {hw}; {args.model}, batch 8/rank x seq 128, AdamW; warmup {args.warmup}, "
               f"{args.steps} timed steps, {args.reps} rep(s); {'warm' if args.warm_cache else 'cold'} compile cache")
     if getattr(args, "ac_compare", False):
         layers = args.depths[0]
@@ -509,7 +570,7 @@ def report(args, records: list[dict], hw: str) -> tuple[str, str, dict]:
         name = "fsdp_ac"
     elif args.sweep:
         body, extra = sweep_report(records, args)
-        name = "fsdp_sweep"
+        name = sweep_name(args)
     else:
         layers = args.depths[0]
         body = f"## {layers} layers\n\n" + variant_table(records, args.variants, layers, args.reps)

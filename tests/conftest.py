@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import _coverage_share
 from graphshard import _compat
 
 WORLD = 4
@@ -51,7 +52,24 @@ _coverage: dict = {}
 
 def pytest_addoption(parser):
     parser.addoption("--coverage", choices=("quick", "full"), default="quick",
-                     help="model-coverage suite: the CI share (quick) or every architecture x strategy x lowering")
+                     help="the multi-rank suites: the CI share (quick) or every case (every architecture x "
+                          "strategy x lowering of the model-coverage suite, every module's FULL_ONLY cases)")
+
+
+# ---- the CI share of the multi-rank suites (tests/_coverage_share.py) ----
+
+
+def pytest_collection_modifyitems(config, items):
+    if _coverage_share.full_coverage(config):
+        return
+    keep, drop = [], []
+    for item in items:
+        full_only = getattr(getattr(item, "module", None), "FULL_ONLY", ())
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        (drop if params.get("case") in full_only else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def record_coverage(results: dict) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from _launch import torchrun
+from _coverage_share import ci_share
 
 TOL = 1e-5
 TWO_RANK = [
@@ -58,10 +59,22 @@ weight across units (above). (``_HYBRID_SHARD_ZERO2`` was listed here while the 
 device mesh; on the 2x2 mesh both wrappers match the single process.)"""
 
 
+FULL_ONLY = {
+    "transformer:full_shard:post:flat:fwd", "transformer:full_shard:none:orig:nolimit",
+    "transformer:shard_grad_op:pre:flat:accum", "transformer:shard_grad_op:pre:orig:ignorestates",
+    "llama:shard_grad_op:post:flat", "transformer:full_shard:pre:orig:tied:clip",
+    "transformer:full_shard:pre:orig:tiedunits", "bn:shard_grad_op:pre:orig", "transformer:full_shard:pre:orig:cpuonly",
+    "transformer:full_shard:pre:orig:accum:acbefore", "transformer:_hybrid_shard_zero2:pre:orig",
+}
+"""Run under ``--coverage full`` only (conftest's `ci_share`): each varies one setting that a CI case
+already exercises with another (the same strategy, prefetch, parameter form, accumulation,
+ignored states, tied weight, batch norm, checkpointing or hybrid layout)."""
+
+
 @pytest.fixture(scope="module")
-def results():
-    out = {r["case"]: r for r in torchrun("fsdp1.py", TWO_RANK, nproc=2)}
-    out.update({r["case"]: r for r in torchrun("fsdp1.py", FOUR_RANK, nproc=4)})
+def results(request):
+    out = {r["case"]: r for r in torchrun("fsdp1.py", ci_share(request.config, TWO_RANK, FULL_ONLY), nproc=2)}
+    out.update({r["case"]: r for r in torchrun("fsdp1.py", ci_share(request.config, FOUR_RANK, FULL_ONLY), nproc=4)})
     out.update({r["case"]: r for r in torchrun("fsdp1.py", ONE_RANK, nproc=1)})
     return out
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _launch import torchrun
+from _coverage_share import ci_share
 
 TOL = 1e-5
 TWO_RANK = [
@@ -43,15 +44,25 @@ state dict with ``offload_to_cpu=True`` raises on a CPU device (and crashes the 
 the whole state dict, where its documentation promises an empty one (graphshard's are empty)."""
 
 
+FULL_ONLY = {"full:shard_grad_op:orig", "full:no_shard:orig", "local:orig", "legacy:flat", "full:hybrid_shard:flat",
+             "reshard@1"}
+"""Run under ``--coverage full`` only (conftest's `ci_share`): the same checkpoint kind with the other
+parameter form or strategy than a CI case, and the reload at one rank besides four. The
+``sharded`` cases stay: the reshard loads what both left."""
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(request, tmp_path_factory):
     root = str(tmp_path_factory.mktemp("fsdp1_ckpt"))
     out = {}
-    for r in torchrun("fsdp1_state.py", [c.format(dir=root) for c in TWO_RANK], nproc=2):
+    two = ci_share(request.config, TWO_RANK, FULL_ONLY)
+    for r in torchrun("fsdp1_state.py", [c.format(dir=root) for c in two], nproc=2):
         out[r["case"].replace(":" + root, "")] = r
-    out.update({r["case"]: r for r in torchrun("fsdp1_state.py", FOUR_RANK, nproc=4)})
+    out.update({r["case"]: r for r in torchrun("fsdp1_state.py", ci_share(request.config, FOUR_RANK, FULL_ONLY),
+                                               nproc=4)})
     for n in RESHARD:  # the checkpoints the sharded cases left, loaded at other world sizes
-        out[f"reshard@{n}"] = torchrun("fsdp1_state.py", [f"reshard:{root}"], nproc=n)[0]
+        if f"reshard@{n}" in ci_share(request.config, [f"reshard@{n}"], FULL_ONLY):
+            out[f"reshard@{n}"] = torchrun("fsdp1_state.py", [f"reshard:{root}"], nproc=n)[0]
     return out
 
 

@@ -41,7 +41,7 @@ WHOLE = ["llama:tp:whole"]
 # once for many (the layers share regions), eager where a compile would add little.
 QUICK = [
     "llama:fsdp:inductor", "llama:tp:inductor", "llama:tp:eager", "llama:fsdp_tp:eager",
-    "qwen3:tp:inductor", "qwen3:fsdp_tp:inductor", "gemma2:tp:eager", "gemma3:tp:eager",
+    "qwen3:fsdp_tp:inductor", "gemma2:tp:eager",
     "gpt2:tp:eager", "mixtral:tp:eager", "bert:fsdp:eager", "t5:fsdp:eager", "vit:fsdp:inductor",
     *WHOLE,
     "llama:fsdp:inductor:ac:nocache", "qwen3:fsdp_tp:eager:ac",  # HF's gradient_checkpointing_enable()

@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says when it is skipped)
 
+from _coverage_share import ci_share  # noqa: E402
 from _launch import torchrun  # noqa: E402
 
 TOL = 1e-5
@@ -88,10 +89,19 @@ def torchrec_fails(case: str, r: dict) -> str | None:
     return None
 
 
+FULL_ONLY = {"dlrm:adagrad", "weighted:rowwise_adagrad", "seqtwo:rowwise_adagrad", "projection:rowwise_adagrad:dp"}
+"""Cases only ``--coverage full`` runs (`_coverage_share.ci_share`); in CI the same feature runs
+elsewhere: plain Adagrad's fused update in tests/test_fbgemm_tbe.py and test_triton_tbe.py (here it
+differs from the row-wise case only in its state's shape), weighted tables in ``sparsenn``
+(TestSparseNN has both kinds), a module reached under two FQNs in ``twotower``, a data-parallel
+table in ``seq:sgd:dp``."""
+
+
 def selected(config) -> list[str]:
-    """The 2-rank cases: CI's (``CASES`` and ``GRID_CI``), and with ``--coverage full`` the whole grid."""
+    """The 2-rank cases: CI's (``CASES`` and ``GRID_CI`` less ``FULL_ONLY``), and with
+    ``--coverage full`` all of them and the whole grid."""
     full = config.getoption("coverage") == "full"
-    return CASES + GRID_CI + ([c for c in GRID if c not in GRID_CI] if full else [])
+    return ci_share(config, CASES + GRID_CI, FULL_ONLY) + ([c for c in GRID if c not in GRID_CI] if full else [])
 
 
 def pytest_generate_tests(metafunc):
