@@ -19,6 +19,7 @@ from expecttest import TestCase
 
 import graphshard
 from _golden import compiled_stages
+from _coverage_share import full_coverage
 from _launch import torchrun
 from _models import mesh1d, seeded
 
@@ -33,7 +34,7 @@ FORMS = ("fn", "reentrant", "wrapper", "sac", "plan", "plan_sac", "skipped")
 
 
 def _cases(config) -> tuple[list[str], list[str]]:
-    if config.getoption("coverage") != "full":
+    if not full_coverage(config):
         return TWO_RANK, FOUR_RANK
     cases = [f"{f}:{layout}:{lower}" for f in FORMS for lower in ("inductor", "eager")
              for layout in ("full_shard", "shard_grad_op", "replicate", "hybrid", "tp", "fsdp_tp")]

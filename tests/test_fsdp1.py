@@ -66,7 +66,7 @@ FULL_ONLY = {
     "transformer:full_shard:pre:orig:tiedunits", "bn:shard_grad_op:pre:orig", "transformer:full_shard:pre:orig:cpuonly",
     "transformer:full_shard:pre:orig:accum:acbefore", "transformer:_hybrid_shard_zero2:pre:orig",
 }
-"""Run under ``--coverage full`` only (conftest's `ci_share`): each varies one setting that a CI case
+"""Run under ``--coverage full`` only (`_coverage_share.ci_share`): each varies one setting that a CI case
 already exercises with another (the same strategy, prefetch, parameter form, accumulation,
 ignored states, tied weight, batch norm, checkpointing or hybrid layout)."""
 

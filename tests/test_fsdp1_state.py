@@ -26,7 +26,8 @@ TWO_RANK = [
 ]
 FOUR_RANK = ["full:hybrid_shard:flat", "full:hybrid_shard:orig"]  # a (2, 2) mesh: replicate x shard
 RESHARD = [1, 4]
-CASES = [c.replace(":{dir}", "") for c in TWO_RANK] + FOUR_RANK + [f"reshard@{n}" for n in RESHARD]
+RESHARD_CASES = [f"reshard@{n}" for n in RESHARD]
+CASES = [c.replace(":{dir}", "") for c in TWO_RANK] + FOUR_RANK + RESHARD_CASES
 
 _OFFLOAD = "torch optim_state_dict with offload_to_cpu=True vs unwrapped"
 TORCH_WRONG = {
@@ -46,7 +47,7 @@ the whole state dict, where its documentation promises an empty one (graphshard'
 
 FULL_ONLY = {"full:shard_grad_op:orig", "full:no_shard:orig", "local:orig", "legacy:flat", "full:hybrid_shard:flat",
              "reshard@1"}
-"""Run under ``--coverage full`` only (conftest's `ci_share`): the same checkpoint kind with the other
+"""Run under ``--coverage full`` only (`_coverage_share.ci_share`): the same checkpoint kind with the other
 parameter form or strategy than a CI case, and the reload at one rank besides four. The
 ``sharded`` cases stay: the reshard loads what both left."""
 
@@ -60,9 +61,8 @@ def results(request, tmp_path_factory):
         out[r["case"].replace(":" + root, "")] = r
     out.update({r["case"]: r for r in torchrun("fsdp1_state.py", ci_share(request.config, FOUR_RANK, FULL_ONLY),
                                                nproc=4)})
-    for n in RESHARD:  # the checkpoints the sharded cases left, loaded at other world sizes
-        if f"reshard@{n}" in ci_share(request.config, [f"reshard@{n}"], FULL_ONLY):
-            out[f"reshard@{n}"] = torchrun("fsdp1_state.py", [f"reshard:{root}"], nproc=n)[0]
+    for case in ci_share(request.config, RESHARD_CASES, FULL_ONLY):  # the sharded cases' checkpoints, other worlds
+        out[case] = torchrun("fsdp1_state.py", [f"reshard:{root}"], nproc=int(case.split("@")[1]))[0]
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from _coverage_share import full_coverage
 from _launch import launch
 from workers._compare import seq_err
 from workers.hf_archs import ARCHS
@@ -50,7 +51,7 @@ NO_CACHE = "llama:fsdp:inductor:ac:nocache"
 
 
 def selected(config) -> list[str]:
-    return all_cases() + WHOLE + [NO_CACHE] if config.getoption("coverage") == "full" else QUICK
+    return all_cases() + WHOLE + [NO_CACHE] if full_coverage(config) else QUICK
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says when it is skipped)
 
-from _coverage_share import ci_share  # noqa: E402
+from _coverage_share import ci_share, full_coverage  # noqa: E402
 from _launch import torchrun  # noqa: E402
 
 TOL = 1e-5
@@ -100,8 +100,8 @@ table in ``seq:sgd:dp``."""
 def selected(config) -> list[str]:
     """The 2-rank cases: CI's (``CASES`` and ``GRID_CI`` less ``FULL_ONLY``), and with
     ``--coverage full`` all of them and the whole grid."""
-    full = config.getoption("coverage") == "full"
-    return ci_share(config, CASES + GRID_CI, FULL_ONLY) + ([c for c in GRID if c not in GRID_CI] if full else [])
+    rest = [c for c in GRID if c not in GRID_CI] if full_coverage(config) else []
+    return ci_share(config, CASES + GRID_CI, FULL_ONLY) + rest
 
 
 def pytest_generate_tests(metafunc):
