@@ -427,3 +427,40 @@ def cuda_memory_snapshot() -> dict:
     """The allocator's segments and the allocation history recorded since `cuda_memory_history`
     (``torch.cuda.memory._snapshot``; ``device_traces`` holds the alloc and free events)."""
     return torch.cuda.memory._snapshot()
+
+
+# invoke_subgraph (torch's nested_compile_region): aot_autograd traces and partitions a body once
+# per identifier, and each call reuses it. graphshard outlines repeated units into it
+# (`graphshard.compiler.outline`); its partition pairs a body's forward and backward calls by the
+# ``call_id`` torch >= 2.13 stamps on them, so older torch traces every unit on its own.
+HAS_INVOKE_SUBGRAPH = TORCH_VERSION >= (2, 13)
+
+
+def invoke_subgraph_op():
+    return torch.ops.higher_order.invoke_subgraph
+
+
+def call_invoke_subgraph(body: torch.fx.GraphModule, identifier: str, *operands):
+    """``invoke_subgraph(body, identifier, *operands)`` as its autograd kernel runs it, without that
+    kernel's check that the body mutates no input. The check builds the body's schema by tracing
+    the body again at every call (about 0.2 s a call for a transformer block on the CPU, as much as
+    the whole joint trace saves); graphshard outlines only bodies that mutate nothing
+    (`graphshard.compiler.outline`). The autograd function and the body's output metadata are
+    cached per identifier in the tracing context, as torch's kernel caches them."""
+    hop = invoke_subgraph_op()
+    if not torch.is_grad_enabled() or not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands):
+        return hop(body, identifier, *operands)
+    import importlib
+
+    impl = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+    cache = impl.get_invoke_subgraph_cache()
+    call = cache.get_autograd_key_entry(identifier) if cache else None
+    if call is None:
+        metadata = impl.get_output_metadata(body, *operands)
+
+        def call(*args):
+            return impl.InvokeSubgraphAutogradOp.apply(body, identifier, metadata, *args)
+
+        if cache:
+            cache.add_autograd_key_entry(identifier, call)
+    return call(*operands)

@@ -37,6 +37,10 @@ TWO_RANK = [
     # the gradients cut from a unit's reduced bucket to start aligned (tests/test_bucket_ops.py).
     "odd:full_shard:whole:nccl_forms",
     "odd:replicate:whole",
+    # Trace once (graphshard.compiler.outline): layers 0-2 of 4 share one outlined body (the last
+    # runs on into the tail, the root's segment holds the embeddings).
+    "transformer4:full_shard:eager:once",
+    "transformer4:full_shard:inductor:once",
 ]
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
 # Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
@@ -116,6 +120,13 @@ def test_a_graph_compiled_by_one_rank_only_completes(two_rank_results, case):
     r = two_rank_results[case]
     _check(r)
     assert r["frames_per_rank"] == [1, 2], r
+
+
+@pytest.mark.parametrize("case", [c for c in TWO_RANK if c.endswith(":once")])
+def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
+    # the parity above holds with the blocks traced once; here, that they were
+    notes = [n for n in two_rank_results[case]["notes"] if n.startswith("trace once")]
+    assert notes == ["trace once: 3 units traced as 1 body (layers.0 x3), 2 on their own"], notes
 
 
 def test_fqns_are_the_users(two_rank_results):

@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
-from graphshard.compiler import collective_check, grad_sync, inductor_cpu, recompute
+from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, recompute
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
@@ -83,8 +83,9 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
+    outlined = _outline(traced, fake_inputs, prepared.ctx)
     with compiling(prepared.ctx.params):
-        compiled = _aot_compile(traced, fake_inputs, prepared.ctx)
+        compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
@@ -360,7 +361,19 @@ def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> li
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
+def _outline(gm: fx.GraphModule, fake_inputs, ctx: PassContext) -> outline.Outlined:
+    """With ``trace_once``, the repeated units outlined into shared bodies (`outline.outline_units`)."""
+    if not ctx.config.trace_once:
+        return outline.Outlined()
+    start = time.perf_counter()
+    grads = ctx.input_requires_grad + [False] * (len(fake_inputs) - len(ctx.input_requires_grad))  # added: keys
+    outlined = outline.outline_units(gm, ctx.params, grads)
+    ctx.report.compile_seconds["outline"] = time.perf_counter() - start
+    ctx.report.notes.append(f"trace once: {outlined.describe()}")
+    return outlined
+
+
+def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: outline.Outlined):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
@@ -375,12 +388,15 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
         nonlocal partitioned, ahead
         base = (_compat.inductor_partition_fn if config.lower == "inductor"
                 else _compat.min_cut_rematerialization_partition)
+        if not joint_inputs and outlined.calls:  # an outlined body's joint (aot_autograd partitions it first)
+            return base(joint, joint_inputs, **kwargs)
         if (config.lower == "inductor" and config.fast_isa_check
                 and any(x.device.type == "cpu" for x in _tensors(joint_inputs))):
             inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
         regions = recompute.regions(joint)
         untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
+        fw, bw = outline.inline_calls(fw, outlined), outline.inline_calls(bw, outlined)
         if regions:
             ctx.report.recompute = _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx)
         ctx.stage = "forward"
@@ -399,7 +415,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext):
             ctx.stage = stage
             is_backward = stage == "backward"
             if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
-                g = run_passes(g, ctx, post_partition_passes())
+                g = run_passes(outline.inline_calls(g, outlined), ctx, post_partition_passes())
             check = None  # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
             if collective_check.enabled(config):
                 check = collective_check.CollectiveCheck(

@@ -41,6 +41,8 @@ def build(model_name: str):
     torch.manual_seed(0)
     if model_name == "transformer":
         return Transformer(SMALL)
+    if model_name == "transformer4":  # two repeated blocks between the first and the last
+        return Transformer(dataclasses.replace(SMALL, n_layers=4))
     if model_name == "shared":
         return SharedBlockMLP()
     if model_name == "odd":  # every parameter's shard a size that is no multiple of 4, 8 or 16
@@ -49,7 +51,7 @@ def build(model_name: str):
 
 
 def batch(model_name: str, step: int, n: int):
-    if model_name == "transformer":
+    if model_name.startswith("transformer"):
         return token_batch(step, n, SMALL.max_seq_len, SMALL.vocab_size, seed=1)
     g = torch.Generator().manual_seed(step + 11)
     d_in, d_out = (7, 5) if model_name == "odd" else (10, 7)
@@ -57,7 +59,7 @@ def batch(model_name: str, step: int, n: int):
 
 
 def loss_fn(model_name: str, out, y):
-    return lm_loss(out, y) if model_name == "transformer" else torch.nn.functional.mse_loss(out, y)
+    return lm_loss(out, y) if model_name.startswith("transformer") else torch.nn.functional.mse_loss(out, y)
 
 
 def plan_for(strategy: str, world: int):
@@ -104,14 +106,14 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
     ref = build(model_name)
     model = copy.deepcopy(ref)
     plan, dp_world = plan_for(strategy, world)
-    rules = {k: v for k, v in plan.rules.items() if model_name == "transformer" or k in ("", "fc1", "fc2")}
+    rules = {k: v for k, v in plan.rules.items() if model_name.startswith("transformer") or k in ("", "fc1", "fc2")}
     if model_name == "shared":
         rules = {"first": rules[""], "": rules[""]}
     if "flat" in flags:  # FSDP1's flat parameters (use_orig_params=False): one 1-D parameter per unit
         rules = {k: dataclasses.replace(v, flat_params=True) for k, v in rules.items()}
     plan = graphshard.Plan(plan.mesh, rules, collectives="nccl" if "nccl_forms" in flags else "auto")
     if lower in ("inductor", "eager"):
-        graphshard.compile(model, plan, lower=lower)
+        graphshard.compile(model, plan, lower=lower, trace_once="once" in flags)
     elif lower == "whole":
         graphshard.compile(model, plan, lower="inductor", regional=False)
     else:
@@ -163,6 +165,7 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         "ref_names": list(ref_params), "state_dict": list(getattr(model, "_orig_mod", model).state_dict()),
         "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
         "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log), "frames_per_rank": frames,
+        "notes": [n for r in graphshard.storage.state_of(sharded).explain for n in r.notes] if lower != "backend" else [],
     }
 
 

@@ -1,0 +1,308 @@
+"""Trace once per distinct unit: repeated units outlined into one shared body for aot_autograd.
+
+aot_autograd's joint trace, Inductor's joint-graph passes and the min-cut partition cost
+about 0.75 s a layer on the benchmark transformer (2 CPU ranks), most of the first step's
+growth with depth. Identical FSDP units (a model's repeated blocks) give identical per-rank
+programs once the pre-autograd passes have run: the same ops on shards and activations of
+the same shapes. Here, before aot_autograd, each unit's segment of the graph (from its
+``graphshard::unshard`` to the next unit's) is keyed by its structure; segments that share a
+key are replaced by ``invoke_subgraph`` calls of one body, so aot_autograd traces the joint
+of that body once, and partitions it once (`torch._higher_order_ops.invoke_subgraph`: the
+autograd and partition caches are keyed by the call's identifier). After the partition,
+`inline_calls` puts the partitioned bodies back in place, so the post-partition passes
+(``schedule_overlap``: prefetch across unit boundaries) and the regional lowering see the
+flat graphs they always see.
+
+The body holds its unit's ``unshard`` with the first unit's parameter keys. The keys only
+name the parameters whose layout the op's decomposition, fake implementation and backward
+read; the segments of one key have layouts that are equal except for the FQN (the key
+includes every layout fact), so the first unit's stand for all. The one per-unit fact the
+partitioned graphs keep, the ``graphshard_unit`` annotation that ``schedule_overlap`` and
+``explain`` read, is rewritten to each call's own unit when the bodies are inlined.
+
+Not outlined (each is traced as before, and ``explain`` notes how many units were shared):
+a segment whose structure no other segment shares (the first and last units, which run into
+the model's head and tail), one that mutates a value, one that would return a view of its own
+input (which ``invoke_subgraph`` refuses), and one with activation checkpointing (``explain``'s
+account of what is recomputed reads the flat joint graph).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from graphshard import _compat
+from graphshard.ops import ops
+
+_CALL = "graphshard_outlined_call"
+"""``meta["custom"]`` key of an outlined call: its index in `Outlined.calls` (aot_autograd
+carries ``custom`` onto the nodes it traces from a node, forward and backward)."""
+
+
+@dataclass
+class Call:
+    units: list[str]            # the units of the segment, in order (the body's stand for the first call's)
+    regions: list[int]          # its partitioner regions (``ac_graph_id``), in order of first use
+    body: str                   # the body's attribute name on the outer graph module
+
+
+@dataclass
+class Outlined:
+    """What `outline_units` did: the calls, and per body its units' order (the first call's)."""
+
+    calls: list[Call] = field(default_factory=list)
+    bodies: dict[str, Call] = field(default_factory=dict)       # body attribute -> the call whose nodes it copies
+    shared: dict[str, int] = field(default_factory=dict)        # body attribute -> calls of it
+    units: int = 0                                              # units the graph gathers
+
+    def describe(self) -> str:
+        """``explain``'s line: which units share a traced body, and how many were traced alone."""
+        alone = self.units - sum(self.shared.values())
+        if not self.bodies:
+            return f"no repeated units: {alone} unit(s) traced on their own"
+        parts = ", ".join(f"{self.bodies[b].units[0] or '<root>'} x{n}" for b, n in self.shared.items())
+        bodies = "1 body" if len(self.bodies) == 1 else f"{len(self.bodies)} bodies"
+        return f"{sum(self.shared.values())} units traced as {bodies} ({parts}), {alone} on their own"
+
+
+def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bool]) -> Outlined:
+    """Replaces the segments of ``gm`` that repeat one structure by ``invoke_subgraph`` calls of a
+    shared body (in place); returns what it did for `inline_calls`."""
+    outlined = Outlined()
+    if not _compat.HAS_INVOKE_SUBGRAPH:
+        return outlined
+    segments = _segments(gm, params)
+    outlined.units = len(segments)
+    grad = _requires_grad(gm, input_requires_grad)
+    groups: dict[str, list[_Segment]] = {}
+    for seg in segments:
+        key = _key(seg, params, grad)
+        if key is not None:
+            groups.setdefault(key, []).append(seg)
+    replaced: dict[fx.Node, fx.Node] = {}  # a replaced segment's output -> the item of its call
+    for key, segs in groups.items():
+        if len(segs) < 2:
+            continue
+        body = _body(segs[0])
+        name = f"_graphshard_unit_body_{len(outlined.bodies)}"
+        gm.add_submodule(name, body)
+        outlined.shared[name] = len(segs)
+        for seg in segs:
+            seg.inputs = [replaced.get(n, n) for n in seg.inputs]
+            call = Call(seg.units, _regions(seg), name)
+            replaced.update(_replace(gm, seg, name, f"graphshard_{key[:16]}", len(outlined.calls)))
+            outlined.calls.append(call)
+            outlined.bodies.setdefault(name, call)
+    gm.graph.lint()
+    gm.recompile()
+    return outlined
+
+
+def inline_calls(gm: fx.GraphModule, outlined: Outlined) -> fx.GraphModule:
+    """Puts the partitioned bodies of ``gm``'s ``invoke_subgraph`` calls back in place, each node
+    annotated with its call's own unit."""
+    if not outlined.calls:
+        return gm
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is _compat.invoke_subgraph_op()):
+            continue
+        body: fx.GraphModule = getattr(gm, node.args[0].target)
+        call = _call_of(node, outlined)
+        env = dict(zip(body.graph.find_nodes(op="placeholder"), node.args[2:]))
+        with graph.inserting_before(node):
+            for inner in body.graph.nodes:
+                if inner.op in ("placeholder", "output"):
+                    continue
+                new = graph.node_copy(inner, lambda n: env[n])
+                new.meta = {**inner.meta}
+                if call is not None:
+                    _reannotate(new, outlined.bodies[call.body], call)
+                env[inner] = new
+        results = body.graph.find_nodes(op="output")[0].args[0]
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(env[results[user.args[1]]])
+                graph.erase_node(user)
+        if node.users:
+            raise AssertionError(f"outlined call {node.name} is read other than by item: {list(node.users)}")
+        attr = node.args[0]
+        graph.erase_node(node)
+        if not attr.users:
+            graph.erase_node(attr)
+    for name, _ in list(gm.named_children()):
+        if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
+            delattr(gm, name)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+# ---- segments ------------------------------------------------------------------------------
+
+@dataclass
+class _Segment:
+    nodes: list[fx.Node]
+    units: list[str]
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+
+
+def _segments(gm: fx.GraphModule, params: dict) -> list[_Segment]:
+    """The graph cut before each unit's first ``unshard``: a unit's segment runs from its gather
+    up to the next unit's."""
+    segments: list[_Segment] = []
+    current: _Segment | None = None
+    seen: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op == "call_function" and node.target == ops.unshard.default:
+            unit = params[node.args[1][0]].layout.unit
+            if unit not in seen:
+                seen.add(unit)
+                current = _Segment([], [unit])
+                segments.append(current)
+        if current is not None:
+            current.nodes.append(node)
+    for seg in segments:
+        inside = set(seg.nodes)
+        seg.inputs = list(dict.fromkeys(a for n in seg.nodes for a in n.all_input_nodes if a not in inside))
+        seg.outputs = [n for n in seg.nodes if any(u not in inside for u in n.users)]
+    return segments
+
+
+def _requires_grad(gm: fx.GraphModule, input_requires_grad: list[bool]) -> dict[fx.Node, bool]:
+    """Whether each node's value can require grad: it reads an input that does (an upper bound,
+    which is all a body's key needs: calls of one body must agree on it)."""
+    out: dict[fx.Node, bool] = {}
+    flags = iter(input_requires_grad)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node] = next(flags, False)
+        else:
+            out[node] = any(out.get(a, False) for a in node.all_input_nodes)
+    return out
+
+
+def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
+    """The segment's structure, or None when it cannot be outlined: its ops and their arguments
+    by position, its inputs' metadata, the layouts its unshards gather (without the FQN) and the
+    partitioner's tags, relative to the segment."""
+    if not seg.outputs:
+        return None
+    index = {n: f"i{i}" for i, n in enumerate(seg.inputs)}
+    index.update({n: f"n{i}" for i, n in enumerate(seg.nodes)})
+    regions: dict = {}
+    parts = []
+    for i, inp in enumerate(seg.inputs):
+        v = inp.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            return None
+        parts.append((i, tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type, grad.get(inp, False)))
+    for node in seg.nodes:
+        if node.op != "call_function":
+            return None
+        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+            return None
+        if "recompute" in node.meta and not _is_gather(node):
+            return None  # activation checkpointing: explain's account of it reads the flat joint graph
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: index[a])
+        if node.target == ops.unshard.default:
+            args = (args[0][0], tuple(_layout_fact(params[k]) for k in node.args[1]))
+        tag = node.meta.get("recompute")
+        region = node.meta.get("ac_graph_id")
+        parts.append((str(node.target), repr(args), getattr(tag, "name", None),
+                      regions.setdefault(region, len(regions)) if region is not None else None,
+                      "graphshard_unit" in (node.meta.get("custom") or {})))
+    parts.append(tuple(index[o] for o in seg.outputs))
+    for out in seg.outputs:
+        if _views_input(out, set(seg.inputs)):
+            return None
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _is_gather(node: fx.Node) -> bool:
+    """An ``unshard`` or an item of one (``tag_recomputation`` tags both for the partitioner)."""
+    if node.target is operator.getitem:
+        node = node.args[0]
+    return node.op == "call_function" and node.target == ops.unshard.default
+
+
+def _layout_fact(p) -> tuple:
+    """Everything about a sharded parameter that its unshard's decomposition and backward read,
+    but its name."""
+    return (p.logical_shape, p.dtype, p.param_dtype, p.reduce_dtype, repr(p.shard), repr(p.replicate),
+            repr(p.model_parallel), p.reshard_after_forward, repr(p.slot), repr(p.layout.placements))
+
+
+def _views_input(node: fx.Node, inputs: set[fx.Node]) -> bool:
+    while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
+        node = node.args[0]
+        if node in inputs:
+            return True
+    return False
+
+
+# ---- bodies and calls ----------------------------------------------------------------------
+
+def _body(seg: _Segment) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, inp in enumerate(seg.inputs):
+        env[inp] = graph.placeholder(f"arg{i}")
+        env[inp].meta = {k: v for k, v in inp.meta.items() if k == "val"}
+    for node in seg.nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        env[node].meta = {**node.meta}
+    for out in seg.outputs:
+        # invoke_subgraph reads which outputs need a gradient from their "val"; the pre-autograd trace's
+        # fake values do not say it (they were traced without autograd), so it runs the body to find out
+        env[out].meta.pop("val", None)
+    graph.output(tuple(env[o] for o in seg.outputs))
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _replace(gm: fx.GraphModule, seg: _Segment, body: str, identifier: str, index: int) -> dict:
+    graph = gm.graph
+    last, inside = seg.nodes[-1], set(seg.nodes)
+    with graph.inserting_after(last):
+        attr = graph.get_attr(body)
+    with graph.inserting_after(attr):
+        call = graph.call_function(_compat.call_invoke_subgraph, (attr, identifier, *seg.inputs))
+    call.meta["custom"] = {_CALL: index}
+    call.meta["val"] = tuple(o.meta.get("val") for o in seg.outputs)
+    at, items = call, {}
+    for i, out in enumerate(seg.outputs):
+        with graph.inserting_after(at):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta = {**out.meta}
+        out.replace_all_uses_with(item, delete_user_cb=lambda u: u not in inside)
+        at = items[out] = item
+    for node in reversed(seg.nodes):
+        graph.erase_node(node)
+    return items
+
+
+def _call_of(node: fx.Node, outlined: Outlined) -> Call | None:
+    index = (node.meta.get("custom") or {}).get(_CALL)
+    return outlined.calls[index] if index is not None else None
+
+
+def _regions(seg: _Segment) -> list[int]:
+    return list(dict.fromkeys(n.meta["ac_graph_id"] for n in seg.nodes if "ac_graph_id" in n.meta))
+
+
+def _reannotate(node: fx.Node, body: Call, call: Call) -> None:
+    """Gives an inlined node its call's unit and partitioner region where it has the body's."""
+    custom = node.meta.get("custom")
+    if custom and custom.get("graphshard_unit") in body.units:
+        node.meta["custom"] = {**custom, "graphshard_unit": call.units[body.units.index(custom["graphshard_unit"])]}
+    if node.meta.get("ac_graph_id") in body.regions:
+        node.meta["ac_graph_id"] = call.regions[body.regions.index(node.meta["ac_graph_id"])]

@@ -1,0 +1,88 @@
+"""Trace once per distinct unit (graphshard.compiler.outline), on the fake process group.
+
+The outlined graph aot_autograd traces (golden), and what must not change: the partitioned
+forward and backward after the bodies are put back, which every later pass and the lowering
+read. The 2-rank parity of training with it is in test_multirank.py (``:once`` cases)."""
+
+import dataclasses
+import re
+
+import torch
+from expecttest import TestCase
+
+from _golden import capture_dynamo, compiled_stages
+from _models import TINY, fsdp_plan, seeded
+import graphshard
+from graphshard.compiler.backend import prepare
+from graphshard.compiler.outline import outline_units
+from graphshard.config import CompileConfig
+from graphshard.passes.pipeline import pre_autograd_passes, run_passes
+from graphshard.testing.models import Transformer, token_batch
+
+DEEP = dataclasses.replace(TINY, n_layers=4)
+
+
+def outlined_graph(model, plan, inputs):
+    graphshard.shard(model, plan)
+    gm, example_inputs = capture_dynamo(model, *inputs)
+    prepared = prepare(gm, example_inputs, CompileConfig(lower="eager"), (model._graphshard,))
+    g = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
+    return g, outline_units(g, prepared.ctx.params, prepared.ctx.input_requires_grad)
+
+
+def calls(g) -> str:
+    """The outlined calls of ``g`` and what each reads, by position (the body's name for them)."""
+    return "\n".join(f"{n.args[0].target}({len(n.args) - 2} inputs) -> {len(n.users)} outputs"
+                     for n in g.graph.nodes if n.op == "call_function" and n.target.__name__ == "call_invoke_subgraph")
+
+
+class TestOutline(TestCase):
+    def test_repeated_blocks_share_one_body(self):
+        x, _ = token_batch(0, 2, 8, 32)
+        g, outlined = outlined_graph(seeded(Transformer, DEEP), fsdp_plan(), (x,))
+        # layers 0-2 are one structure; layers.3 runs on into the tail and the root's segment
+        # holds the embeddings: those two are traced in line.
+        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+        # each call reads its unit's 12 shards and the residual stream, and hands on the stream
+        self.assertExpectedInline(calls(g), """\
+_graphshard_unit_body_0(13 inputs) -> 1 outputs
+_graphshard_unit_body_0(13 inputs) -> 1 outputs
+_graphshard_unit_body_0(13 inputs) -> 1 outputs""")
+        body = g.get_submodule("_graphshard_unit_body_0")
+        ops = [str(n.target) for n in body.graph.nodes if n.op == "call_function"]
+        self.assertEqual(ops[0], "graphshard.unshard.default")  # the unit's gather is in the body
+        self.assertEqual(ops.count("graphshard.unshard.default"), 1)
+        keys = next(n for n in body.graph.nodes if n.op == "call_function").args[1]
+        self.assertTrue(all(k.split("/", 1)[1].startswith("layers.0.") for k in keys), keys)
+
+    def test_partitioned_programs_keep_the_flat_ones_collectives_and_matmuls(self):
+        # what aot_autograd hands on (forward and backward after the post-partition passes) has the
+        # flat program's collectives in the same scheduled order, each annotated with its own unit
+        # and region, and its matmuls. Not the same listing: a body computes the causal mask
+        # itself (the flat trace computes it once for every layer), and its forward makes the
+        # views of what it saves, which the flat backward makes.
+        x, _ = token_batch(0, 2, 8, 32)
+        flat = compiled_stages(seeded(Transformer, DEEP), fsdp_plan(), (x,))
+        once = compiled_stages(seeded(Transformer, DEEP), fsdp_plan(), (x,), trace_once=True)
+        for stage in ("forward", "backward"):
+            self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
+        self.assertEqual(once["backward"].count("all_gather_into_tensor.default("), 4)  # FULL_SHARD re-gathers
+
+    def test_units_of_different_shapes_are_not_shared(self):
+        x, _ = token_batch(0, 2, 8, 32)
+        model = seeded(Transformer, DEEP)
+        model.layers[1].ffn.w1 = torch.nn.Linear(16, 32)  # its own structure now
+        model.layers[1].ffn.w2 = torch.nn.Linear(32, 16)
+        _, outlined = outlined_graph(model, fsdp_plan(), (x,))
+        # layers 0 and 2 still share a body; layers.1 is traced on its own, as are the root and the last
+        self.assertEqual(outlined.describe(), "2 units traced as 1 body (layers.0 x2), 3 on their own")
+        self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"]])
+
+
+_KEPT = re.compile(r"# Annotation|_c10d_functional|graphshard\.|aten\.(mm|addmm|bmm)\.")
+
+
+def _skeleton(text: str) -> list[str]:
+    """A graph's annotations, collectives, graphshard ops and matmuls in order, without node names."""
+    return [re.sub(r"(?<![.\w'])[a-z_]+(?:_\d+)?\b(?!['(.])", "v", line).strip()
+            for line in text.splitlines() if _KEPT.search(line)]
