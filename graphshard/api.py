@@ -30,7 +30,7 @@ def compile(
     fast_isa_check: bool = False,
     share_compile: bool = True,
     check_collectives: bool = True,
-    trace_once: bool = False,
+    trace_once: bool = True,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 

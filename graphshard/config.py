@@ -67,11 +67,12 @@ class CompileConfig:
     the first that differs, on every rank, instead of hanging the job. No collective is used and
     every wait is bounded (``graphshard.compiler.collective_check``); ``explain`` prints its cost
     (a store round trip per process group and peer, once per program)."""
-    trace_once: bool = False
+    trace_once: bool = True
     """Trace, differentiate and partition each distinct repeated unit once: units whose per-rank
     programs are identical (a model's repeated blocks) are outlined into one shared body for
     aot_autograd and put back in place after the partition (``graphshard.compiler.outline``),
-    so that part of the first step grows with the distinct units, not with depth."""
+    so that part of the first step grows with the distinct units, not with depth. False: every
+    unit traced in line (torch < 2.13 always does that; ``explain`` says which applied)."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

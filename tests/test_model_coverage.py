@@ -31,6 +31,8 @@ def all_cases() -> list[str]:
         cases += [f"{name}:{s}:{lower}" for s in strategies for lower in LOWERINGS]
         # the AC column: HF's gradient_checkpointing_enable() under FSDP and FSDP + TP, compiled by Inductor
         cases += [f"{name}:{s}:inductor:ac" for s in strategies if s != "tp"]
+        # the trace-once column: 4 blocks, so that blocks repeat and share one traced body
+        cases += [f"{name}:{s}:eager:deep" for s in strategies if s != "tp"]
     return cases
 
 
@@ -46,6 +48,7 @@ QUICK = [
     "gpt2:tp:eager", "mixtral:tp:eager", "bert:fsdp:eager", "t5:fsdp:eager", "vit:fsdp:inductor",
     *WHOLE,
     "llama:fsdp:inductor:ac:nocache", "qwen3:fsdp_tp:eager:ac",  # HF's gradient_checkpointing_enable()
+    "llama:fsdp_tp:eager:deep", "qwen2_moe:fsdp:eager:deep",  # repeated blocks traced once (4 blocks)
 ]
 NO_CACHE = "llama:fsdp:inductor:ac:nocache"
 
@@ -87,6 +90,8 @@ def run_all(cases: list[str], nproc: int) -> dict[str, dict]:
 def pytest_generate_tests(metafunc):
     if "coverage_case" in metafunc.fixturenames:
         metafunc.parametrize("coverage_case", selected(metafunc.config))
+    if "deep_case" in metafunc.fixturenames:
+        metafunc.parametrize("deep_case", [c for c in selected(metafunc.config) if c.endswith(":deep")])
 
 
 EXPECTED_GRAPH_BREAKS = {
@@ -133,6 +138,12 @@ def test_architecture_matches_single_process(coverage_results, coverage_case):
     known = EXPECTED_FALLBACKS.get(coverage_case.split(":")[0])
     other = [f for f in r["fallbacks"] if known is None or known not in f]
     assert not other, f"{coverage_case}: unexpected fallbacks {other}"
+
+
+def test_repeated_blocks_are_traced_once(coverage_results, deep_case):
+    # the parity above holds with trace_once's shared bodies; here, that the blocks shared one
+    notes = coverage_results[deep_case].get("trace_once") or []
+    assert any(" units traced as " in n for n in notes), f"{deep_case}: {notes}"
 
 
 def test_regional_and_whole_graph_lowering_agree(coverage_results, request):

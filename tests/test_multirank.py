@@ -39,8 +39,8 @@ TWO_RANK = [
     "odd:replicate:whole",
     # Trace once (graphshard.compiler.outline): layers 0-2 of 4 share one outlined body (the last
     # runs on into the tail, the root's segment holds the embeddings).
-    "transformer4:full_shard:eager:once",
-    "transformer4:full_shard:inductor:once",
+    "transformer4:full_shard:eager",
+    "transformer4:full_shard:inductor",
 ]
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
 # Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
@@ -122,7 +122,7 @@ def test_a_graph_compiled_by_one_rank_only_completes(two_rank_results, case):
     assert r["frames_per_rank"] == [1, 2], r
 
 
-@pytest.mark.parametrize("case", [c for c in TWO_RANK if c.endswith(":once")])
+@pytest.mark.parametrize("case", [c for c in TWO_RANK if c.startswith("transformer4:")])
 def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
     # the parity above holds with the blocks traced once; here, that they were
     notes = [n for n in two_rank_results[case]["notes"] if n.startswith("trace once")]

@@ -369,7 +369,8 @@ def _outline(gm: fx.GraphModule, fake_inputs, ctx: PassContext) -> outline.Outli
     grads = ctx.input_requires_grad + [False] * (len(fake_inputs) - len(ctx.input_requires_grad))  # added: keys
     outlined = outline.outline_units(gm, ctx.params, grads)
     ctx.report.compile_seconds["outline"] = time.perf_counter() - start
-    ctx.report.notes.append(f"trace once: {outlined.describe()}")
+    if outlined.units:
+        ctx.report.notes.append(f"trace once: {outlined.describe()}")
     return outlined
 
 

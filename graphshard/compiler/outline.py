@@ -22,7 +22,7 @@ partitioned graphs keep, the ``graphshard_unit`` annotation that ``schedule_over
 
 Not outlined (each is traced as before, and ``explain`` notes how many units were shared):
 a segment whose structure no other segment shares (the first and last units, which run into
-the model's head and tail), one that mutates a value, one that would return a view of its own
+the model's head and tail), one that writes one of its inputs, one that would return a view of its own
 input (which ``invoke_subgraph`` refuses), and one with activation checkpointing (``explain``'s
 account of what is recomputed reads the flat joint graph).
 """
@@ -59,9 +59,12 @@ class Outlined:
     bodies: dict[str, Call] = field(default_factory=dict)       # body attribute -> the call whose nodes it copies
     shared: dict[str, int] = field(default_factory=dict)        # body attribute -> calls of it
     units: int = 0                                              # units the graph gathers
+    unavailable: str | None = None                              # why nothing was outlined, if not for lack of repeats
 
     def describe(self) -> str:
         """``explain``'s line: which units share a traced body, and how many were traced alone."""
+        if self.unavailable:
+            return f"not on {self.unavailable}: every unit traced on its own"
         alone = self.units - sum(self.shared.values())
         if not self.bodies:
             return f"no repeated units: {alone} unit(s) traced on their own"
@@ -75,9 +78,13 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
     shared body (in place); returns what it did for `inline_calls`."""
     outlined = Outlined()
     if not _compat.HAS_INVOKE_SUBGRAPH:
+        outlined.unavailable = f"torch {torch.__version__} (it needs 2.13's invoke_subgraph pairing)"
         return outlined
     segments = _segments(gm, params)
     outlined.units = len(segments)
+    if _symbolic(gm):
+        outlined.unavailable = "a graph with symbolic sizes (a recompile for a new input shape)"
+        return outlined
     grad = _requires_grad(gm, input_requires_grad)
     groups: dict[str, list[_Segment]] = {}
     for seg in segments:
@@ -197,6 +204,7 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
     partitioner's tags, relative to the segment."""
     if not seg.outputs:
         return None
+    inputs = set(seg.inputs)
     index = {n: f"i{i}" for i, n in enumerate(seg.inputs)}
     index.update({n: f"n{i}" for i, n in enumerate(seg.nodes)})
     regions: dict = {}
@@ -209,7 +217,7 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
     for node in seg.nodes:
         if node.op != "call_function":
             return None
-        if isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable:
+        if _mutates_input(node, inputs):
             return None
         if "recompute" in node.meta and not _is_gather(node):
             return None  # activation checkpointing: explain's account of it reads the flat joint graph
@@ -223,9 +231,19 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
                       "graphshard_unit" in (node.meta.get("custom") or {})))
     parts.append(tuple(index[o] for o in seg.outputs))
     for out in seg.outputs:
-        if _views_input(out, set(seg.inputs)):
-            return None
+        if not isinstance(out.meta.get("val"), torch.Tensor) or _base_of(out) in inputs:
+            return None  # invoke_subgraph returns fresh tensors only
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    """Whether an input has a symbolic size: a body traced for one call's symbols need not fit another's."""
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = ph.meta.get("val")
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
+                _compat.is_concrete_int(d) for d in (*v.shape, *v.stride()))):
+            return True
+    return False
 
 
 def _is_gather(node: fx.Node) -> bool:
@@ -242,11 +260,29 @@ def _layout_fact(p) -> tuple:
             repr(p.model_parallel), p.reshard_after_forward, repr(p.slot), repr(p.layout.placements))
 
 
-def _views_input(node: fx.Node, inputs: set[fx.Node]) -> bool:
+def _base_of(node: fx.Node) -> fx.Node:
+    """The value ``node`` is a view of (through a chain of views), or ``node`` itself."""
     while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
         node = node.args[0]
-        if node in inputs:
-            return True
+    return node
+
+
+def _mutates_input(node: fx.Node, inputs: set[fx.Node]) -> bool:
+    """Whether ``node`` writes one of the segment's inputs (or a view of one): ``invoke_subgraph``
+    refuses a body that does. An in-place op on the segment's own values (an MoE's ``index_put_``
+    into a buffer it made) is functionalized inside the body like anywhere else."""
+    if not isinstance(node.target, torch._ops.OpOverload) or not node.target._schema.is_mutable:
+        return False
+    for arg, value in zip(node.target._schema.arguments, node.args):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(w, fx.Node) and _base_of(w) in inputs for w in written):
+                return True
+    for name, value in node.kwargs.items():
+        arg = next((a for a in node.target._schema.arguments if a.name == name), None)
+        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
+            if isinstance(value, fx.Node) and _base_of(value) in inputs:
+                return True
     return False
 
 

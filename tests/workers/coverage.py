@@ -13,7 +13,9 @@ Each CASE is ``arch:strategy:lower`` (``tests/workers/hf_archs.py`` lists the ar
   on the model before sharding and on the single-process reference; the case then also needs
   the compiled backward to recompute (``explain``'s count of recomputed ops); with a further
   ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises; with
-  ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint).
+  ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint);
+- a flag ``deep``: 4 blocks instead of 2, so that blocks repeat and are traced once
+  (``trace_once``, ``graphshard.compiler.outline``); the result's ``trace_once`` is explain's line.
 
 Each case trains the model for STEPS steps of SGD with momentum on its rank's slice of
 the global batch and compares the loss per step (averaged over the data-parallel ranks)
@@ -86,7 +88,7 @@ def run_case(case: str) -> dict:
     counters.clear()
     world = dist.get_world_size()
     start = time.perf_counter()
-    ref = hf_archs.build(arch)
+    ref = hf_archs.build(arch, layers=4 if "deep" in flags else None)
     if "ac" in flags:
         if not ref.supports_gradient_checkpointing:
             return {"case": case, "ok": False, "skipped": f"{type(ref).__name__} has no gradient checkpointing"}
@@ -133,7 +135,8 @@ def run_case(case: str) -> dict:
     return {"case": case, "ok": ok, "recomputed_ops": recomputed, "losses": losses, "loss_err": loss_err, "param_err": param_err, "worst_param": worst,
             "new_graphs": new_graphs, "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": sorted({r.split("\n")[0][:200] for r in counters["graph_break"]}),
-            "fallbacks": fallbacks, "eager_units": eager, "seconds": round(seconds, 1)}
+            "fallbacks": fallbacks, "eager_units": eager, "seconds": round(seconds, 1),
+            "trace_once": [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")]}
 
 
 def _root_cause(e: BaseException) -> BaseException:

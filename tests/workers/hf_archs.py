@@ -82,11 +82,12 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def config_for(name: str):
+def config_for(name: str, layers: int | None = None):
+    """The architecture's tiny config; ``layers``: that many blocks instead of TINY's 2."""
     from transformers import AutoConfig
 
     arch = ARCHS[name]
-    kwargs = {**TINY, **arch.overrides}
+    kwargs = {**TINY, **arch.overrides, **({"num_hidden_layers": layers} if layers else {})}
     cls = type(AutoConfig.for_model(arch.model_type))
     # Sizes a config derives (Falcon's head_dim is a read-only property) are left to it.
     kwargs = {k: v for k, v in kwargs.items()
@@ -101,11 +102,11 @@ def config_for(name: str):
     return cfg
 
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
+def build(name: str, seed: int = 0, layers: int | None = None) -> torch.nn.Module:
     import transformers as tf
 
     arch = ARCHS[name]
-    cfg = config_for(name)
+    cfg = config_for(name, layers)
     auto = {"causal_lm": tf.AutoModelForCausalLM, "masked_lm": tf.AutoModelForMaskedLM,
             "seq2seq": tf.AutoModelForSeq2SeqLM, "image": tf.AutoModelForImageClassification}[arch.task]
     torch.manual_seed(seed)

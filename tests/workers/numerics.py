@@ -113,7 +113,7 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         rules = {k: dataclasses.replace(v, flat_params=True) for k, v in rules.items()}
     plan = graphshard.Plan(plan.mesh, rules, collectives="nccl" if "nccl_forms" in flags else "auto")
     if lower in ("inductor", "eager"):
-        graphshard.compile(model, plan, lower=lower, trace_once="once" in flags)
+        graphshard.compile(model, plan, lower=lower)
     elif lower == "whole":
         graphshard.compile(model, plan, lower="inductor", regional=False)
     else:
