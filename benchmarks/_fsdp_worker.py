@@ -23,8 +23,9 @@ Variants (see `VARIANTS`):
 * ``graphshard_eq`` / ``graphshard_eq_flat``  ``graphshard`` / ``graphshard_flat`` with the scheduling FSDP1's defaults
                             map to (``forward_prefetch=False``): the exact program ``gs_fsdp1`` / ``gs_fsdp1_flat`` compile.
 * ``graphshard``            ``graphshard.compile(model, Plan(mesh, {"layers.*": FullyShard(), "": FullyShard()}))``.
-* ``graphshard_once``       ``graphshard`` with ``trace_once=True``: each distinct repeated block traced,
-                            differentiated and partitioned once (``graphshard.compiler.outline``).
+* ``graphshard_flat_trace`` ``graphshard`` with ``trace_once=False``: every block traced, differentiated and
+                            partitioned in line (the default traces each distinct repeated block once,
+                            ``graphshard.compiler.outline``).
 * ``graphshard_post``       the same with ``backward_prefetch="post"``: a unit's backward all-gather issued after
                             the next unit's gradient computation, so under AC after its recomputation too.
 * ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
@@ -274,7 +275,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "graphshard_eq": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS),
     "graphshard_eq_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS, flat_params=True),
     "graphshard_post": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(backward_prefetch="post")),
-    "graphshard_once": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(trace_once=True)),
+    "graphshard_flat_trace": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(trace_once=False)),
     "graphshard_comm": build_graphshard_comm,
     "graphshard_auto": build_graphshard_auto,
     "local_compile": build_local_compile,

@@ -87,3 +87,41 @@ def _skeleton(text: str) -> list[str]:
     """A graph's annotations, collectives, graphshard ops and matmuls in order, without node names."""
     return [re.sub(r"(?<![.\w'])[a-z_]+(?:_\d+)?\b(?!['(.])", "v", line).strip()
             for line in text.splitlines() if _KEPT.search(line)]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, writes_input: bool):
+        super().__init__()
+        self.lin, self.writes_input = torch.nn.Linear(8, 8), writes_input
+
+    def forward(self, x, total):
+        y = self.lin(x)
+        y.relu_()  # in place on the block's own value: functionalized inside a body like anywhere
+        if self.writes_input:
+            total.add_(y)  # writes a value made before the block: an input of its segment
+        return y
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, writes_input: bool):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList(_Block(writes_input) for _ in range(4))
+
+    def forward(self, x):
+        x = self.inp(x)
+        total = torch.zeros_like(x)
+        for layer in self.layers:
+            x = layer(x, total)
+        return x.sum() + total.sum()
+
+
+class TestOutlineRefusals(TestCase):
+    def test_in_place_on_own_values_is_outlined(self):
+        _, outlined = outlined_graph(seeded(_Blocks, False), fsdp_plan(), (torch.randn(4, 8),))
+        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+
+    def test_a_block_that_writes_its_input_is_traced_in_line(self):
+        # invoke_subgraph refuses a body that mutates an input: such segments keep the flat trace
+        _, outlined = outlined_graph(seeded(_Blocks, True), fsdp_plan(), (torch.randn(4, 8),))
+        self.assertEqual(outlined.describe(), "no repeated units: 5 unit(s) traced on their own")
