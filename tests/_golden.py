@@ -65,7 +65,10 @@ def render(g: fx.GraphModule, plan, *, placements=False) -> str:
 
 def compiled_stages(model, plan, inputs, *, loss_fn=lambda out: out.sum(), **compile_kwargs) -> dict[str, str]:
     """Compiles with lower='eager', runs forward and backward, returns the normalized
-    forward/backward graphs after schedule_overlap and the explain report."""
+    forward/backward graphs after schedule_overlap and the explain report. The graphs are the
+    flat trace's unless ``trace_once=True`` is passed: outlining repeated units renames the nodes
+    it puts back, and test_outline.py checks that it changes nothing else that matters."""
+    compile_kwargs.setdefault("trace_once", False)
     with tempfile.TemporaryDirectory() as d:
         graphshard.compile(model, plan, lower="eager", dump_graphs=d, **compile_kwargs)
         loss_fn(model(*inputs)).backward()

@@ -64,7 +64,7 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         # views of what it saves, which the flat backward makes.
         x, _ = token_batch(0, 2, 8, 32)
         flat = compiled_stages(seeded(Transformer, DEEP), fsdp_plan(), (x,), trace_once=False)
-        once = compiled_stages(seeded(Transformer, DEEP), fsdp_plan(), (x,))
+        once = compiled_stages(seeded(Transformer, DEEP), fsdp_plan(), (x,), trace_once=True)
         for stage in ("forward", "backward"):
             self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
         self.assertEqual(once["backward"].count("all_gather_into_tensor.default("), 4)  # FULL_SHARD re-gathers

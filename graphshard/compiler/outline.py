@@ -128,8 +128,7 @@ def inline_calls(gm: fx.GraphModule, outlined: Outlined) -> fx.GraphModule:
                     continue
                 new = graph.node_copy(inner, lambda n: env[n])
                 new.meta = {**inner.meta}
-                if call is not None:
-                    _reannotate(new, outlined.bodies[call.body], call)
+                _reannotate(new, outlined.bodies[call.body], call)
                 env[inner] = new
         results = body.graph.find_nodes(op="output")[0].args[0]
         for user in list(node.users):
@@ -326,9 +325,12 @@ def _replace(gm: fx.GraphModule, seg: _Segment, body: str, identifier: str, inde
     return items
 
 
-def _call_of(node: fx.Node, outlined: Outlined) -> Call | None:
+def _call_of(node: fx.Node, outlined: Outlined) -> Call:
+    """The outlined call ``node`` (a forward or backward call of a partitioned body) was traced from."""
     index = (node.meta.get("custom") or {}).get(_CALL)
-    return outlined.calls[index] if index is not None else None
+    if index is None:  # its nodes would keep the first call's units: a wrong schedule, never silently
+        raise AssertionError(f"{node.name} ({node.args[1]}) does not say which outlined call it was traced from")
+    return outlined.calls[index]
 
 
 def _regions(seg: _Segment) -> list[int]:
