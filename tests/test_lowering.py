@@ -12,10 +12,16 @@ from graphshard.compiler.lowering import is_communication, lower_regions, split_
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
 
+FLAT = dict(trace_once=False)
+"""The listings here are the flat trace's: a body partitioned on its own saves other values than
+the flat partition of the same layer (a relu's mask in its forward), so its regions cut
+differently. What trace once must keep, compiles that do not grow with depth, is checked with it."""
+
+
 def _lowered(model, **kwargs) -> dict[str, str]:
     """Compiles with Inductor (regional lowering), runs a step, returns the program listings."""
     with tempfile.TemporaryDirectory() as d:
-        graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d, **kwargs)
+        graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d, **{**FLAT, **kwargs})
         model(torch.randn(4, 8)).sum().backward()
         out = {}
         for stage in ("forward", "backward"):
@@ -126,12 +132,17 @@ eager(1 in, 1 out): views
         # partitioner computes at the end of the graph, would make the last layer's region
         # differ; it is cut after the layer's own computation, and the masks are a region.
         # So: one region per layer plus the masks', and two compiled whatever the depth.
-        counts = {}
+        counts, once = {}, {}
         for depth in (3, 6):
-            model = seeded(DeepStack, depth)
-            graphshard.compile(model, fsdp_plan(), lower="inductor")
-            model(torch.randn(4, 8)).sum().backward()
-            counts[depth] = model._graphshard.explain[0].regions
+            for trace_once, out in ((False, counts), (True, once)):
+                torch._dynamo.reset()
+                model = seeded(DeepStack, depth)
+                graphshard.compile(model, fsdp_plan(), lower="inductor", trace_once=trace_once)
+                model(torch.randn(4, 8)).sum().backward()
+                out[depth] = model._graphshard.explain[0].regions
+        # traced once, the layers' bodies share regions as the flat trace's layers do
+        for stage in ("forward", "backward"):
+            self.assertEqual(once[3][stage]["compiled"], once[6][stage]["compiled"], stage)
         for depth, regions in counts.items():
             self.assertEqual(regions["forward"]["regions"], depth + 1)
             self.assertEqual(regions["forward"]["compiled"], 2)
@@ -149,7 +160,7 @@ eager(1 in, 1 out): views
         # region still returns it ("1 unread"), and the runner drops it at once.
         model = seeded(TailStack)
         with tempfile.TemporaryDirectory() as d:
-            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d)
+            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d, **FLAT)
             model(torch.randn(4, 8)).sum().backward()
             (path,) = glob.glob(os.path.join(d, "g*_forward_regions.txt"))
             with open(path) as f:
@@ -174,7 +185,7 @@ region r3(10 in, 9 out): mul, sum, div, le, div, le, div, le, div, le""")
         model = seeded(Transformer, TransformerConfig(vocab_size=32, dim=16, n_layers=3, n_heads=4, max_seq_len=8))
         x, y = token_batch(0, 8, 8, 32)
         with tempfile.TemporaryDirectory() as d:
-            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d)
+            graphshard.compile(model, fsdp_plan(), lower="inductor", dump_graphs=d, **FLAT)
             lm_loss(model(x), y).backward()
             (path,) = glob.glob(os.path.join(d, "g*_backward_regions.txt"))
             with open(path) as f:

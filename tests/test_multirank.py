@@ -37,8 +37,8 @@ TWO_RANK = [
     # the gradients cut from a unit's reduced bucket to start aligned (tests/test_bucket_ops.py).
     "odd:full_shard:whole:nccl_forms",
     "odd:replicate:whole",
-    # Trace once (graphshard.compiler.outline): layers 0-2 of 4 share one outlined body (the last
-    # runs on into the tail, the root's segment holds the embeddings).
+    # Trace once (graphshard.compiler.outline): the 4 blocks share one outlined body (the last
+    # block's segment runs on into the tail: its beginning is the body); the root's is in line.
     "transformer4:full_shard:eager",
     "transformer4:full_shard:inductor",
 ]
@@ -126,7 +126,7 @@ def test_a_graph_compiled_by_one_rank_only_completes(two_rank_results, case):
 def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
     # the parity above holds with the blocks traced once; here, that they were
     notes = [n for n in two_rank_results[case]["notes"] if n.startswith("trace once")]
-    assert notes == ["trace once: 3 units traced as 1 body (layers.0 x3), 2 on their own"], notes
+    assert notes == ["trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own"], notes
 
 
 def test_fqns_are_the_users(two_rank_results):

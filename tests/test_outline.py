@@ -41,11 +41,12 @@ class TestOutline(TestCase):
     def test_repeated_blocks_share_one_body(self):
         x, _ = token_batch(0, 2, 8, 32)
         g, outlined = outlined_graph(seeded(Transformer, DEEP), fsdp_plan(), (x,))
-        # layers 0-2 are one structure; layers.3 runs on into the tail and the root's segment
-        # holds the embeddings: those two are traced in line.
-        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+        # the four blocks are one structure: layers.3's segment runs on into the tail, and its
+        # beginning, the block, is the body too. The root's segment (the embeddings) is in line.
+        self.assertEqual(outlined.describe(), "4 units traced as 1 body (layers.0 x4), 1 on their own")
         # each call reads its unit's 12 shards and the residual stream, and hands on the stream
         self.assertExpectedInline(calls(g), """\
+_graphshard_unit_body_0(13 inputs) -> 1 outputs
 _graphshard_unit_body_0(13 inputs) -> 1 outputs
 _graphshard_unit_body_0(13 inputs) -> 1 outputs
 _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
@@ -75,9 +76,9 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         model.layers[1].ffn.w1 = torch.nn.Linear(16, 32)  # its own structure now
         model.layers[1].ffn.w2 = torch.nn.Linear(32, 16)
         _, outlined = outlined_graph(model, fsdp_plan(), (x,))
-        # layers 0 and 2 still share a body; layers.1 is traced on its own, as are the root and the last
-        self.assertEqual(outlined.describe(), "2 units traced as 1 body (layers.0 x2), 3 on their own")
-        self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"]])
+        # layers 0, 2 and 3 (its beginning) still share a body; layers.1 is traced on its own, as is the root
+        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+        self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"], ["layers.3"]])
 
 
 _KEPT = re.compile(r"# Annotation|_c10d_functional|graphshard\.|aten\.(mm|addmm|bmm)\.")
@@ -119,7 +120,7 @@ class _Blocks(torch.nn.Module):
 class TestOutlineRefusals(TestCase):
     def test_in_place_on_own_values_is_outlined(self):
         _, outlined = outlined_graph(seeded(_Blocks, False), fsdp_plan(), (torch.randn(4, 8),))
-        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+        self.assertEqual(outlined.describe(), "4 units traced as 1 body (layers.0 x4), 1 on their own")
 
     def test_a_block_that_writes_its_input_is_traced_in_line(self):
         # invoke_subgraph refuses a body that mutates an input: such segments keep the flat trace

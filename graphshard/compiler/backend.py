@@ -389,11 +389,13 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         nonlocal partitioned, ahead
         base = (_compat.inductor_partition_fn if config.lower == "inductor"
                 else _compat.min_cut_rematerialization_partition)
-        if not joint_inputs and outlined.calls:  # an outlined body's joint (aot_autograd partitions it first)
-            return base(joint, joint_inputs, **kwargs)
+        body = not joint_inputs and outlined.calls  # an outlined body's joint: aot_autograd partitions it first
+        inputs = [n.meta.get("val") for n in joint.graph.find_nodes(op="placeholder")] if body else joint_inputs
         if (config.lower == "inductor" and config.fast_isa_check
-                and any(x.device.type == "cpu" for x in _tensors(joint_inputs))):
+                and any(x.device.type == "cpu" for x in _tensors(inputs))):
             inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
+        if body:
+            return base(joint, joint_inputs, **kwargs)
         regions = recompute.regions(joint)
         untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)

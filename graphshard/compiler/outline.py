@@ -20,10 +20,12 @@ includes every layout fact), so the first unit's stand for all. The one per-unit
 partitioned graphs keep, the ``graphshard_unit`` annotation that ``schedule_overlap`` and
 ``explain`` read, is rewritten to each call's own unit when the bodies are inlined.
 
-Not outlined (each is traced as before, and ``explain`` notes how many units were shared):
-a segment whose structure no other segment shares (the first and last units, which run into
-the model's head and tail), one that writes one of its inputs, one that would return a view of its own
-input (which ``invoke_subgraph`` refuses), and one with activation checkpointing (``explain``'s
+The last block's segment runs on into the model's tail; when its beginning is a repeated body,
+that beginning is a call of it and the tail stays in line (`_share_prefix`). Not outlined (each
+is traced as before, and ``explain`` notes how many units were shared): a segment whose
+structure no other segment shares (the root's, which holds the embeddings), one that writes one
+of its inputs, one that would return a view of its own input (which ``invoke_subgraph``
+refuses), one with a data-dependent size, and one with activation checkpointing (``explain``'s
 account of what is recomputed reads the flat joint graph).
 """
 
@@ -87,10 +89,13 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
         return outlined
     grad = _requires_grad(gm, input_requires_grad)
     groups: dict[str, list[_Segment]] = {}
-    for seg in segments:
-        key = _key(seg, params, grad)
+    keys = [_key(seg, params, grad) for seg in segments]
+    for seg, key in zip(segments, keys):
         if key is not None:
             groups.setdefault(key, []).append(seg)
+    for seg, key in zip(segments, keys):
+        if key is None or len(groups[key]) == 1:
+            _share_prefix(seg, key, groups, params, grad)
     replaced: dict[fx.Node, fx.Node] = {}  # a replaced segment's output -> the item of its call
     for key, segs in groups.items():
         if len(segs) < 2:
@@ -177,11 +182,31 @@ def _segments(gm: fx.GraphModule, params: dict) -> list[_Segment]:
                 segments.append(current)
         if current is not None:
             current.nodes.append(node)
-    for seg in segments:
-        inside = set(seg.nodes)
-        seg.inputs = list(dict.fromkeys(a for n in seg.nodes for a in n.all_input_nodes if a not in inside))
-        seg.outputs = [n for n in seg.nodes if any(u not in inside for u in n.users)]
-    return segments
+    return [_with_boundary(seg) for seg in segments]
+
+
+def _with_boundary(seg: _Segment) -> _Segment:
+    """``seg`` with its inputs (the values it reads from before it, in order of first use) and its
+    outputs (its values read after it)."""
+    inside = set(seg.nodes)
+    seg.inputs = list(dict.fromkeys(a for n in seg.nodes for a in n.all_input_nodes if a not in inside))
+    seg.outputs = [n for n in seg.nodes if any(u not in inside for u in n.users)]
+    return seg
+
+
+def _share_prefix(seg: _Segment, key: str | None, groups: dict, params: dict, grad: dict) -> None:
+    """A segment no other shares whose beginning is a repeated body (the last block, which runs
+    on into the model's tail): that beginning joins the body's group, the rest stays in line."""
+    for other, segs in groups.items():
+        size = len(segs[0].nodes)
+        if len(segs) < 2 or size >= len(seg.nodes):
+            continue
+        prefix = _with_boundary(_Segment(seg.nodes[:size], seg.units))
+        if _key(prefix, params, grad) == other:
+            if key is not None:
+                groups[key].remove(seg)
+            segs.append(prefix)
+            return
 
 
 def _requires_grad(gm: fx.GraphModule, input_requires_grad: list[bool]) -> dict[fx.Node, bool]:
@@ -210,7 +235,7 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
     parts = []
     for i, inp in enumerate(seg.inputs):
         v = inp.meta.get("val")
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, torch.Tensor) or not _concrete(v):
             return None
         parts.append((i, tuple(v.shape), tuple(v.stride()), v.dtype, v.device.type, grad.get(inp, False)))
     for node in seg.nodes:
@@ -218,6 +243,10 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
             return None
         if _mutates_input(node, inputs):
             return None
+        vals = node.meta.get("val")
+        if not all(_concrete(v) for v in (vals if isinstance(vals, (list, tuple)) else [vals])
+                   if isinstance(v, (torch.Tensor, torch.SymInt))):
+            return None  # a data-dependent size (a sparse all-to-all's): one call's symbols are not another's
         if "recompute" in node.meta and not _is_gather(node):
             return None  # activation checkpointing: explain's account of it reads the flat joint graph
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: index[a])
@@ -233,6 +262,11 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
         if not isinstance(out.meta.get("val"), torch.Tensor) or _base_of(out) in inputs:
             return None  # invoke_subgraph returns fresh tensors only
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _concrete(v) -> bool:
+    dims = (*v.shape, *v.stride()) if isinstance(v, torch.Tensor) else (v,)
+    return all(_compat.is_concrete_int(d) for d in dims)
 
 
 def _symbolic(gm: fx.GraphModule) -> bool:
