@@ -83,12 +83,13 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
-    outlined = _outline(traced, fake_inputs, prepared.ctx)
+    outlined = _outline(traced, prepared.ctx)
     with compiling(prepared.ctx.params):
         compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
-    times["aot_autograd"] = time.perf_counter() - t2 - times.get("forward_lowering", 0) - times.get("backward_lowering", 0)
+    times["aot_autograd"] = (time.perf_counter() - t2 - times.get("outline", 0) - times.get("forward_lowering", 0)
+                             - times.get("backward_lowering", 0))
     if not prepared.dtensor_positions and not dtensor_outputs and random_inputs is None:
         return compiled
     positions = prepared.dtensor_positions
@@ -361,13 +362,12 @@ def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> li
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 
-def _outline(gm: fx.GraphModule, fake_inputs, ctx: PassContext) -> outline.Outlined:
+def _outline(gm: fx.GraphModule, ctx: PassContext) -> outline.Outlined:
     """With ``trace_once``, the repeated units outlined into shared bodies (`outline.outline_units`)."""
     if not ctx.config.trace_once:
         return outline.Outlined()
     start = time.perf_counter()
-    grads = ctx.input_requires_grad + [False] * (len(fake_inputs) - len(ctx.input_requires_grad))  # added: keys
-    outlined = outline.outline_units(gm, ctx.params, grads)
+    outlined = outline.outline_units(gm, ctx.params, ctx.input_requires_grad)  # inputs passes added: no grad
     ctx.report.compile_seconds["outline"] = time.perf_counter() - start
     if outlined.units:
         ctx.report.notes.append(f"trace once: {outlined.describe()}")

@@ -31,6 +31,7 @@ account of what is recomputed reads the flat joint graph).
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import operator
 from dataclasses import dataclass, field
@@ -59,20 +60,25 @@ class Outlined:
 
     calls: list[Call] = field(default_factory=list)
     bodies: dict[str, Call] = field(default_factory=dict)       # body attribute -> the call whose nodes it copies
-    shared: dict[str, int] = field(default_factory=dict)        # body attribute -> calls of it
     units: int = 0                                              # units the graph gathers
     unavailable: str | None = None                              # why nothing was outlined, if not for lack of repeats
+
+    @property
+    def shared(self) -> dict[str, int]:
+        """Body attribute -> the calls of it."""
+        return dict(collections.Counter(c.body for c in self.calls))
 
     def describe(self) -> str:
         """``explain``'s line: which units share a traced body, and how many were traced alone."""
         if self.unavailable:
             return f"not on {self.unavailable}: every unit traced on its own"
-        alone = self.units - sum(self.shared.values())
-        if not self.bodies:
+        shared = self.shared
+        alone = self.units - len(self.calls)
+        if not shared:
             return f"no repeated units: {alone} unit(s) traced on their own"
-        parts = ", ".join(f"{self.bodies[b].units[0] or '<root>'} x{n}" for b, n in self.shared.items())
-        bodies = "1 body" if len(self.bodies) == 1 else f"{len(self.bodies)} bodies"
-        return f"{sum(self.shared.values())} units traced as {bodies} ({parts}), {alone} on their own"
+        parts = ", ".join(f"{self.bodies[b].units[0] or '<root>'} x{n}" for b, n in shared.items())
+        bodies = "1 body" if len(shared) == 1 else f"{len(shared)} bodies"
+        return f"{len(self.calls)} units traced as {bodies} ({parts}), {alone} on their own"
 
 
 def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bool]) -> Outlined:
@@ -103,7 +109,6 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
         body = _body(segs[0])
         name = f"_graphshard_unit_body_{len(outlined.bodies)}"
         gm.add_submodule(name, body)
-        outlined.shared[name] = len(segs)
         for seg in segs:
             seg.inputs = [replaced.get(n, n) for n in seg.inputs]
             call = Call(seg.units, _regions(seg), name)
@@ -211,7 +216,8 @@ def _share_prefix(seg: _Segment, key: str | None, groups: dict, params: dict, gr
 
 def _requires_grad(gm: fx.GraphModule, input_requires_grad: list[bool]) -> dict[fx.Node, bool]:
     """Whether each node's value can require grad: it reads an input that does (an upper bound,
-    which is all a body's key needs: calls of one body must agree on it)."""
+    which is all a body's key needs: calls of one body must agree on it). Inputs past the list's
+    end (the keys passes added) need none."""
     out: dict[fx.Node, bool] = {}
     flags = iter(input_requires_grad)
     for node in gm.graph.nodes:
@@ -271,12 +277,8 @@ def _concrete(v) -> bool:
 
 def _symbolic(gm: fx.GraphModule) -> bool:
     """Whether an input has a symbolic size: a body traced for one call's symbols need not fit another's."""
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        v = ph.meta.get("val")
-        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and not all(
-                _compat.is_concrete_int(d) for d in (*v.shape, *v.stride()))):
-            return True
-    return False
+    vals = (ph.meta.get("val") for ph in gm.graph.find_nodes(op="placeholder"))
+    return any(isinstance(v, (torch.Tensor, torch.SymInt)) and not _concrete(v) for v in vals)
 
 
 def _is_gather(node: fx.Node) -> bool:
@@ -306,16 +308,13 @@ def _mutates_input(node: fx.Node, inputs: set[fx.Node]) -> bool:
     into a buffer it made) is functionalized inside the body like anywhere else."""
     if not isinstance(node.target, torch._ops.OpOverload) or not node.target._schema.is_mutable:
         return False
-    for arg, value in zip(node.target._schema.arguments, node.args):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written = value if isinstance(value, (list, tuple)) else [value]
-            if any(isinstance(w, fx.Node) and _base_of(w) in inputs for w in written):
-                return True
-    for name, value in node.kwargs.items():
-        arg = next((a for a in node.target._schema.arguments if a.name == name), None)
-        if arg is not None and arg.alias_info is not None and arg.alias_info.is_write:
-            if isinstance(value, fx.Node) and _base_of(value) in inputs:
-                return True
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        written = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(w, fx.Node) and _base_of(w) in inputs for w in written):
+            return True
     return False
 
 
