@@ -9,6 +9,8 @@ ranks) and every gathered parameter must match the single-process run within
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from _launch import torchrun
@@ -127,6 +129,16 @@ def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
     # the parity above holds with the blocks traced once; here, that they were
     notes = [n for n in two_rank_results[case]["notes"] if n.startswith("trace once")]
     assert notes == ["trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own"], notes
+    # explain's compile time per distinct unit: the body, the units that reused it, and (lowered
+    # with Inductor) its regions: each compiled one stamped out once per block
+    lines = two_rank_results[case]["distinct_units"]
+    assert lines[1].startswith("layers.0, reused by 4 units (layers.0, layers.1, layers.2, layers.3): traced once in "), lines
+    assert lines[-1].startswith("in line (the units on their own"), lines
+    if case.endswith(":inductor"):
+        lowered = re.findall(r"(forward|backward) (\d+) regions from (\d+) compiled", lines[1])
+        assert {stage for stage, _, _ in lowered} == {"forward", "backward"}, lines
+        for stage, regions, compiled in lowered:
+            assert int(compiled) >= 1 and int(regions) >= 4 * int(compiled), lines
 
 
 def test_fqns_are_the_users(two_rank_results):

@@ -15,6 +15,7 @@ from _golden import capture_dynamo, compiled_stages
 from _models import TINY, fsdp_plan, seeded
 import graphshard
 from graphshard.compiler.backend import prepare
+from graphshard.compiler import outline
 from graphshard.compiler.outline import outline_units
 from graphshard.config import CompileConfig
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes
@@ -34,7 +35,7 @@ def outlined_graph(model, plan, inputs):
 def calls(g) -> str:
     """The outlined calls of ``g`` and what each reads, by position (the body's name for them)."""
     return "\n".join(f"{n.args[0].target}({len(n.args) - 2} inputs) -> {len(n.users)} outputs"
-                     for n in g.graph.nodes if n.op == "call_function" and n.target.__name__ == "call_invoke_subgraph")
+                     for n in g.graph.nodes if n.op == "call_function" and n.target is outline.call_body)
 
 
 class TestOutline(TestCase):

@@ -84,7 +84,8 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
     outlined = _outline(traced, prepared.ctx)
-    with compiling(prepared.ctx.params):
+    prepared.ctx.report.outlined = outlined
+    with compiling(prepared.ctx.params), outline.timing(outlined):
         compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
@@ -395,7 +396,11 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 and any(x.device.type == "cpu" for x in _tensors(inputs))):
             inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
         if body:
-            return base(joint, joint_inputs, **kwargs)
+            start = time.perf_counter()
+            try:
+                return base(joint, joint_inputs, **kwargs)
+            finally:
+                outlined.partition_seconds += time.perf_counter() - start
         regions = recompute.regions(joint)
         untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
@@ -514,9 +519,8 @@ def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, lower):
     if not roots or not ctx.models:
         return plain
     ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
-                            "reduction(s) and with the accumulated gradients added, each lowered on first use")
-    return grad_sync.GradSync(plain, grad_sync.accumulate_variant(bw, roots), grad_sync.flush_variant(bw, roots),
-                              list(inputs), ctx.models, lower)
+                            "reduction(s) and with the accumulated gradients added, each built and lowered on first use")
+    return grad_sync.GradSync(plain, bw, roots, list(inputs), ctx.models, lower)
 
 
 def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, share, compiled: dict):

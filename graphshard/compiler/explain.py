@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.fx as fx
 import torch.nn as nn
@@ -35,6 +36,7 @@ class GraphReport:
     compile_seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     recompute: dict = field(default_factory=dict)  # activation checkpointing (compiler.recompute.summary)
     collective_check: dict[str, str] = field(default_factory=dict)  # stage -> what the ranks compared, its cost
+    outlined: Any = None  # what trace once shared (`outline.Outlined`), for the compile time per distinct unit
 
     def format(self) -> str:
         lines = [f"graph {self.index}" + (f" ({self.frame}, compile {self.frame_compile})" if self.frame else "") + ":"]
@@ -75,9 +77,42 @@ class GraphReport:
         lines.append(f"  fallbacks: {'; '.join(self.fallbacks) if self.fallbacks else 'none'}")
         if self.compile_seconds:
             lines.append("  compile time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.compile_seconds.items()))
+        lines += self.per_distinct_unit()
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+    def per_distinct_unit(self) -> list[str]:
+        """Each body trace once shared: the units that reuse it, its one trace and partition, and the
+        regions its inlined copies lowered to (instances, and the distinct ones compiled on this rank,
+        with their time); then the same for what was traced in line."""
+        outlined = self.outlined
+        if outlined is None or not outlined.calls:
+            return []
+        lines = ["  compile time per distinct unit (the regions each lowered to, and how many distinct ones "
+                 "this rank compiled):"]
+        for name in outlined.shared:
+            units = [c.units[0] or "<root>" for c in outlined.calls if c.body == name]
+            lines.append(f"    {units[0]}, reused by {len(units)} units ({_short_list(units)}): traced once "
+                         f"in {outlined.seconds.get(name, 0.0):.2f}s; {self._lowered(name)}")
+        lines.append(f"    the shared bodies' partitions (once each): {outlined.partition_seconds:.2f}s")
+        lines.append(f"    in line (the units on their own, the model's head and tail): {self._lowered(None)}")
+        return lines
+
+    def _lowered(self, body: str | None) -> str:
+        seconds, parts = 0.0, []
+        for stage, counts in self.regions.items():
+            mine = counts.get("bodies", {}).get(body)
+            if mine is None:
+                continue
+            seconds += mine["seconds"]
+            if mine["regions"]:
+                parts.append(f"{stage} {mine['regions']} regions from {mine['compiled']} compiled")
+        return f"lowered in {seconds:.2f}s" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _short_list(names: list[str], head: int = 3) -> str:
+    return ", ".join(names) if len(names) <= head + 1 else f"{', '.join(names[:head])}, ..., {names[-1]}"
 
 
 def collective_kind(op_name: str) -> str:

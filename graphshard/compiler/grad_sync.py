@@ -8,8 +8,9 @@ reducing, so one reduction carries every accumulated micro-batch (reductions are
 the result equals reducing each micro-batch's gradient and summing).
 
 The compiled backward is one graph, so the three behaviours are three programs derived
-from it when it is compiled, each lowered once, on its first use, and selected per call
-by the model's ``sync_gradients`` flag (`GradSync`): no recompile per toggle.
+from it, each built and lowered once, on its first use (a model trained without
+``no_sync`` never pays for them), and selected per call by the model's ``sync_gradients``
+flag (`GradSync`): no recompile per toggle.
 
 * ``plain``: the backward as partitioned, scheduled and lowered.
 * ``accumulate``: the root data-parallel reductions and everything downstream of them
@@ -132,18 +133,17 @@ def flush_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModule:
 class GradSync:
     """The backward, in aot_autograd's boxed convention: ``plain``, or, while the model's
     ``sync_gradients`` is off, ``accumulate`` (keeping the pending buffers), then ``flush``
-    on the first synchronizing call. The two derived programs are lowered by ``lower`` on
-    their first use and kept."""
+    on the first synchronizing call. The two derived programs are built from ``backward`` (the
+    partitioned graph ``plain`` was lowered from, with its data-parallel ``roots``) and lowered
+    by ``lower`` on their first use, and kept."""
 
     _boxed_call = True
 
-    def __init__(self, plain: Callable, accumulate: fx.GraphModule, flush: fx.GraphModule, inputs: list,
+    def __init__(self, plain: Callable, backward: fx.GraphModule, roots: list[fx.Node], inputs: list,
                  models: tuple, lower: Callable[[fx.GraphModule, list], Callable]):
         self.plain = plain
-        self.graphs = {"accumulate": (accumulate, inputs),
-                       "flush": (flush, inputs + [ph.meta["val"] for ph in flush.graph.find_nodes(op="placeholder")
-                                                   ][len(inputs):])}
-        self.n_extra = len(flush.graph.find_nodes(op="placeholder")) - len(inputs)
+        self.backward, self.roots, self.inputs = backward, roots, inputs
+        self.n_extra = len(roots)  # flush's pending buffers: one input per root reduction
         self.models = models  # the sharded models whose no_sync state selects the program
         self.lower = lower
         self.compiled: dict[str, Callable] = {}
@@ -151,8 +151,12 @@ class GradSync:
 
     def _program(self, name: str) -> Callable:
         if name not in self.compiled:
-            graph, inputs = self.graphs[name]
-            log.info("no_sync: lowering the %s backward program", name)
+            log.info("no_sync: building and lowering the %s backward program", name)
+            if name == "accumulate":
+                graph, inputs = accumulate_variant(self.backward, self.roots), self.inputs
+            else:
+                graph = flush_variant(self.backward, self.roots)
+                inputs = self.inputs + [r.args[0].meta["val"] for r in self.roots]
             self.compiled[name] = self.lower(graph, inputs)
         return self.compiled[name]
 

@@ -29,8 +29,10 @@ so Inductor frees each one inside the region after its last read.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import operator
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -40,6 +42,7 @@ import torch.fx as fx
 from graphshard import _compat
 from graphshard.compiler import inductor_cpu
 from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
+from graphshard.compiler.outline import BODY
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -177,9 +180,9 @@ class Region:
         return self._module
 
     def signature(self) -> tuple:
-        """The key the region compiles under (``region_key`` of its module)."""
+        """The key the region compiles under (`region_key`)."""
         if self._signature is None:
-            self._signature = region_key(self.module())
+            self._signature = region_key(self)
         return self._signature
 
 
@@ -360,14 +363,37 @@ def region_module(region: Region) -> fx.GraphModule:
     return fx.GraphModule(torch.nn.Module(), g)
 
 
-def region_key(gm: fx.GraphModule) -> tuple:
-    """Structure and input metadata: equal keys compute the same function of the same kinds of inputs."""
+def region_key(region: Region) -> tuple:
+    """Structure and input metadata: equal keys compute the same function of the same kinds of
+    inputs. Read from the nodes (ops, arguments with values as positions, outputs), as
+    `region_module`'s code would print them, without generating that code: regions are keyed by
+    the hundred while only one per key is compiled. Plain strings and numbers, the same in
+    every process (`RegionWork.digest`)."""
+    position = {n: i for i, n in enumerate(region.inputs)}
+    position.update((n, len(position) + i) for i, n in enumerate(region.nodes))
+
+    def arg(a):
+        if isinstance(a, fx.Node):
+            return ("%", position[a])
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, *map(arg, a))
+        if isinstance(a, dict):
+            return ("dict", *((k, arg(v)) for k, v in a.items()))
+        return repr(a)
+
+    body = tuple((n.op, _target_name(n.target), arg(n.args), arg(n.kwargs)) for n in region.nodes)
     metas = []
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        v = ph.meta.get("val")
+    for inp in region.inputs:
+        v = inp.meta.get("val")
         metas.append((tuple(map(int, v.shape)), tuple(map(int, v.stride())), v.dtype, str(v.device))
                      if isinstance(v, torch.Tensor) else repr(v))
-    return (gm.code, tuple(metas))
+    return (body, tuple(position[o] for o in region.outputs), tuple(metas))
+
+
+def _target_name(target) -> str:
+    if isinstance(target, (torch._ops.OpOverload, str)):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
 
 
 class RegionalProgram:
@@ -399,6 +425,7 @@ class RegionalProgram:
         self.program: list[tuple] = []
         self.listing: list[str] = []
         names: dict[tuple, str] = {}
+        eager: dict[tuple, Callable] = {}  # eager regions of one structure run one module's code
         for step in steps:
             if isinstance(step, Region) and step.key:
                 names.setdefault(step.key, f"r{len(names)}")
@@ -409,7 +436,8 @@ class RegionalProgram:
                 unread = sum(o not in used for o in step.outputs)
                 outs = f"{len(step.outputs)} out" + (f", {unread} unread" if unread else "")
                 self.listing.append(f"{how}({len(step.inputs)} in, {outs}): {ops or 'views'}")
-                fn = compiled[step.key] if step.key else _eager_region(step)
+                fn = (compiled[step.key] if step.key
+                      else eager.get(step.signature()) or eager.setdefault(step.signature(), _eager_region(step)))
                 # An output nothing reads (a region reused for its computation) is dropped at once.
                 self.program.append(("region", fn, [slot[a] for a in step.inputs],
                                      [slot[o] if o in used else None for o in step.outputs], dying[i]))
@@ -488,6 +516,7 @@ class RegionWork:
     cost: int
     is_backward: bool
     key: tuple = ()
+    body: str | None = None  # the trace-once body its first region was inlined from (`region_body`)
 
     def compile(self, *, batch: bool = False) -> Callable:
         with inductor_cpu.batched_cpp_kernels(enabled=batch):  # its C++ kernels as one library (opt-in)
@@ -505,7 +534,7 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
     counts for the report, and the distinct regions to compile by key."""
     steps = split_regions(gm.graph)
     order: list[str] = []
-    counts = {"regions": 0, "compiled": 0, "eager": 0}
+    counts: dict = {"regions": 0, "compiled": 0, "eager": 0, "bodies": {}}
     work: dict[tuple, RegionWork] = {}
     waited: set[fx.Node] = set()
     for step in steps:
@@ -520,6 +549,9 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
                 order.append(collective_kind(name))
             continue
         counts["regions"] += 1
+        body = region_body(step)
+        per_body = counts["bodies"].setdefault(body, {"regions": 0, "compiled": 0, "seconds": 0.0})
+        per_body["regions"] += 1
         for _ in range(step.matmuls):
             add_compute(order)
         generated = step.generated
@@ -530,9 +562,17 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
         if step.key not in work:
             rgm = step.module()
             work[step.key] = RegionWork(rgm, [ph.meta["val"] for ph in rgm.graph.find_nodes(op="placeholder")],
-                                        generated, is_backward, step.key)
+                                        generated, is_backward, step.key, body)
+            per_body["compiled"] += 1
     counts["compiled"] = len(work)
     return steps, order, counts, work
+
+
+def region_body(region: Region) -> str | None:
+    """The trace-once body (`outline.BODY`) at least half of the region's nodes were inlined from,
+    if any: explain's compile time per distinct unit."""
+    (body, n), = collections.Counter(node.meta.get(BODY) for node in region.nodes).most_common(1)
+    return body if 2 * n >= len(region.nodes) else None
 
 
 class CompileShare(Protocol):
@@ -567,6 +607,14 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
     """
     steps, order, counts, work = plan_regions(gm, is_backward=is_backward)
     compiled = {} if compiled is None else compiled
+
+    def compile_timed(w: RegionWork) -> Callable:
+        start = time.perf_counter()
+        fn = w.compile(batch=batch)
+        spent = counts["bodies"].setdefault(w.body, {"regions": 0, "compiled": 0, "seconds": 0.0})
+        spent["seconds"] += time.perf_counter() - start
+        return fn
+
     todo = sorted(work.values(), key=lambda w: -w.cost)
     if share is not None:
         todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
@@ -576,7 +624,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
                 for w in todo:
                     if (w.is_backward, w.key) not in compiled and share.claim(w.digest()):
                         mine.append(w.digest())
-                        compiled[(w.is_backward, w.key)] = w.compile(batch=batch)
+                        compiled[(w.is_backward, w.key)] = compile_timed(w)
         finally:
             for digest in mine:  # done (or failed): no rank waits for it any longer
                 share.done(digest)
@@ -586,7 +634,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
             if (w.is_backward, w.key) not in compiled:
                 if share is not None:
                     share.wait(w.digest(), deadline)  # claimed by another rank: its result is in the cache
-                compiled[(w.is_backward, w.key)] = w.compile(batch=batch)
+                compiled[(w.is_backward, w.key)] = compile_timed(w)
     program = RegionalProgram(gm.graph, steps, {k: compiled[(is_backward, k)] for k in work})
     if report_strides:  # a graph aot_autograd partitioned (not one derived from it afterwards)
         _compat.report_output_strides(gm)

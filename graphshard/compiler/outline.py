@@ -32,8 +32,11 @@ account of what is recomputed reads the flat joint graph).
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import hashlib
 import operator
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +44,10 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.ops import ops
+
+BODY = "graphshard_body"
+"""``meta`` key of a node that `inline_calls` put back: the body (attribute name) it was copied
+from, so that the lowering can say what each shared body cost."""
 
 _CALL = "graphshard_outlined_call"
 """``meta["custom"]`` key of an outlined call: its index in `Outlined.calls` (aot_autograd
@@ -62,6 +69,11 @@ class Outlined:
     bodies: dict[str, Call] = field(default_factory=dict)       # body attribute -> the call whose nodes it copies
     units: int = 0                                              # units the graph gathers
     unavailable: str | None = None                              # why nothing was outlined, if not for lack of repeats
+    identifiers: dict[str, str] = field(default_factory=dict)   # invoke_subgraph identifier -> body attribute
+    seconds: dict[str, float] = field(default_factory=dict)     # body attribute -> time in its calls while
+                                                                # aot_autograd traced (its one joint trace,
+                                                                # and each call's reuse of it)
+    partition_seconds: float = 0.0                              # the bodies' partitions (once each)
 
     @property
     def shared(self) -> dict[str, int]:
@@ -109,15 +121,44 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
         body = _body(segs[0])
         name = f"_graphshard_unit_body_{len(outlined.bodies)}"
         gm.add_submodule(name, body)
+        identifier = f"graphshard_{key[:16]}"
+        outlined.identifiers[identifier] = name
         for seg in segs:
             seg.inputs = [replaced.get(n, n) for n in seg.inputs]
             call = Call(seg.units, _regions(seg), name)
-            replaced.update(_replace(gm, seg, name, f"graphshard_{key[:16]}", len(outlined.calls)))
+            replaced.update(_replace(gm, seg, name, identifier, len(outlined.calls)))
             outlined.calls.append(call)
             outlined.bodies.setdefault(name, call)
     gm.graph.lint()
     gm.recompile()
     return outlined
+
+
+_TIMING: contextvars.ContextVar[Outlined | None] = contextvars.ContextVar("graphshard_outline_timing", default=None)
+
+
+@contextlib.contextmanager
+def timing(outlined: Outlined):
+    """Within the context, the time aot_autograd spends in each body's calls adds up in
+    ``outlined.seconds`` (explain's compile time per distinct unit)."""
+    token = _TIMING.set(outlined)
+    try:
+        yield
+    finally:
+        _TIMING.reset(token)
+
+
+def call_body(body: fx.GraphModule, identifier: str, *operands):
+    """An outlined call as the graph runs it (`_compat.call_invoke_subgraph`), timed per body."""
+    outlined = _TIMING.get()
+    if outlined is None or identifier not in outlined.identifiers:
+        return _compat.call_invoke_subgraph(body, identifier, *operands)
+    start = time.perf_counter()
+    try:
+        return _compat.call_invoke_subgraph(body, identifier, *operands)
+    finally:
+        name = outlined.identifiers[identifier]
+        outlined.seconds[name] = outlined.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
 def inline_calls(gm: fx.GraphModule, outlined: Outlined) -> fx.GraphModule:
@@ -137,7 +178,7 @@ def inline_calls(gm: fx.GraphModule, outlined: Outlined) -> fx.GraphModule:
                 if inner.op in ("placeholder", "output"):
                     continue
                 new = graph.node_copy(inner, lambda n: env[n])
-                new.meta = {**inner.meta}
+                new.meta = {**inner.meta, BODY: call.body}
                 _reannotate(new, outlined.bodies[call.body], call)
                 env[inner] = new
         results = body.graph.find_nodes(op="output")[0].args[0]
@@ -343,7 +384,7 @@ def _replace(gm: fx.GraphModule, seg: _Segment, body: str, identifier: str, inde
     with graph.inserting_after(last):
         attr = graph.get_attr(body)
     with graph.inserting_after(attr):
-        call = graph.call_function(_compat.call_invoke_subgraph, (attr, identifier, *seg.inputs))
+        call = graph.call_function(call_body, (attr, identifier, *seg.inputs))
     call.meta["custom"] = {_CALL: index}
     call.meta["val"] = tuple(o.meta.get("val") for o in seg.outputs)
     at, items = call, {}

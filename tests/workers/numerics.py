@@ -166,6 +166,8 @@ def _run_case(case: str, model_name: str, strategy: str, lower: str, flags: list
         "ref_state_dict": list(ref.state_dict()), "graph_breaks": sum(counters["graph_break"].values()),
         "frames": int(counters["stats"]["unique_graphs"]), "ops": sorted(log), "frames_per_rank": frames,
         "notes": [n for r in graphshard.storage.state_of(sharded).explain for n in r.notes] if lower != "backend" else [],
+        "distinct_units": ([line.strip() for r in graphshard.storage.state_of(sharded).explain
+                            for line in r.per_distinct_unit()] if lower != "backend" else []),
     }
 
 
