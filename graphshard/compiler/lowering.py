@@ -436,8 +436,12 @@ class RegionalProgram:
                 unread = sum(o not in used for o in step.outputs)
                 outs = f"{len(step.outputs)} out" + (f", {unread} unread" if unread else "")
                 self.listing.append(f"{how}({len(step.inputs)} in, {outs}): {ops or 'views'}")
-                fn = (compiled[step.key] if step.key
-                      else eager.get(step.signature()) or eager.setdefault(step.signature(), _eager_region(step)))
+                if step.key:
+                    fn = compiled[step.key]
+                else:
+                    if step.signature() not in eager:
+                        eager[step.signature()] = _eager_region(step)
+                    fn = eager[step.signature()]
                 # An output nothing reads (a region reused for its computation) is dropped at once.
                 self.program.append(("region", fn, [slot[a] for a in step.inputs],
                                      [slot[o] if o in used else None for o in step.outputs], dying[i]))
@@ -550,7 +554,7 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
             continue
         counts["regions"] += 1
         body = region_body(step)
-        per_body = counts["bodies"].setdefault(body, {"regions": 0, "compiled": 0, "seconds": 0.0})
+        per_body = _body_counts(counts, body)
         per_body["regions"] += 1
         for _ in range(step.matmuls):
             add_compute(order)
@@ -566,6 +570,12 @@ def plan_regions(gm: fx.GraphModule, *, is_backward: bool,
             per_body["compiled"] += 1
     counts["compiled"] = len(work)
     return steps, order, counts, work
+
+
+def _body_counts(counts: dict, body: str | None) -> dict:
+    """``counts``' entry for ``body``: its regions in this graph, the distinct ones among them this
+    graph compiles, and the Inductor time of those this rank compiled in this call."""
+    return counts["bodies"].setdefault(body, {"regions": 0, "compiled": 0, "seconds": 0.0})
 
 
 def region_body(region: Region) -> str | None:
@@ -611,8 +621,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
     def compile_timed(w: RegionWork) -> Callable:
         start = time.perf_counter()
         fn = w.compile(batch=batch)
-        spent = counts["bodies"].setdefault(w.body, {"regions": 0, "compiled": 0, "seconds": 0.0})
-        spent["seconds"] += time.perf_counter() - start
+        _body_counts(counts, w.body)["seconds"] += time.perf_counter() - start
         return fn
 
     todo = sorted(work.values(), key=lambda w: -w.cost)
