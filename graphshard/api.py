@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch.nn as nn
 
+from graphshard.compiler import regions
 from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain
@@ -54,7 +55,10 @@ def compile(
 def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -> nn.Module:
     """The one place graphshard compiles: ``module`` (the sharded ``root`` itself, or a frontend's wrapper
     around it) with the backend bound to ``root``'s `ShardedModel` and ``config``."""
-    module.compile(backend=make_backend(state_of(root), config))
+    state = state_of(root)
+    if config.trace_once and not state.dynamo_regions:
+        state.dynamo_regions = regions.mark_repeated_units(root, state)
+    module.compile(backend=make_backend(state, config))
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     return module
 

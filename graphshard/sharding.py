@@ -193,6 +193,7 @@ class ShardedModel:
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
     checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
+    dynamo_regions: list = field(default_factory=list)  # repeated units dynamo traces once, or why not (compiler.regions)
     eager_reads: dict = field(default_factory=dict)   # key -> where a frame run eagerly in a compiled call read it
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 
@@ -205,6 +206,11 @@ class ShardedModel:
             if fqn in p.layout.fqns:
                 return p
         raise KeyError(fqn)
+
+    def keys_by_object(self) -> dict[int, str]:
+        """Each parameter's key by the identity of the DTensor its module holds now."""
+        held = ((p.owner[0]._parameters.get(p.owner[1]), p.key) for p in self.params.values() if p.owner is not None)
+        return {id(t): key for t, key in held if t is not None}
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` (a parameter's or a declared layout's) names something of this model."""
@@ -225,6 +231,21 @@ def register(model: ShardedModel) -> None:
     _MODELS[model.model_id] = model
     for p in model.params.values():
         params.remember(p.key, p)
+
+
+TRACED_FQN = "?"
+"""The FQN part of a marker's key as dynamo traces it (`traced_key`)."""
+
+
+def traced_key(key: str) -> str:
+    """``key`` (``"m<id>/<fqn>"``) as a traced marker carries it: ``"m<id>/?"``, the same for the parameters
+    of every repeated block, so a block's trace does not depend on which block it is. The backend puts
+    the key back from the DTensor the marker wraps (`ShardedModel.keys_by_object`)."""
+    return f"{key.split('/', 1)[0]}/{TRACED_FQN}"
+
+
+def is_traced_key(key: str) -> bool:
+    return key.endswith(f"/{TRACED_FQN}")
 
 
 def model_for_key(key: str) -> ShardedModel | None:

@@ -287,6 +287,7 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
     mod.__class__ = sub
     if markers:
         mod._graphshard_markers = markers
+        mod._graphshard_traced = {name: (sharding.traced_key(key), dtype) for name, (key, dtype) in markers.items()}
     if flat:
         mod._graphshard_flat = flat
 
@@ -332,8 +333,14 @@ def _marker_getter(name: str):
     def get(self):
         p = self._parameters[name]
         if isinstance(p, DTensor):
+            if torch.compiler.is_compiling():
+                # traced, the marker carries its model and not its FQN (the backend reads the key from
+                # the DTensor it wraps): every repeated block reads the same values here, so dynamo
+                # reuses one block's trace for all of them (`compiler.regions`)
+                key, dtype = self._graphshard_traced[name]
+                return ops.param(p.to_local(), key, p.shape, dtype)
             key, dtype = self._graphshard_markers[name]
-            if torch.compiler.is_compiling() or _gathered_read(key):
+            if _gathered_read(key):
                 return ops.param(p.to_local(), key, p.shape, dtype)
         return p  # outside forward: the sharded parameter itself, as FSDP2 shows it
 

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
 from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, recompute
+from graphshard.compiler.regions import inline_regions
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
@@ -46,7 +47,7 @@ from graphshard.ops.sparse import lookup_args
 from graphshard.params import resolve
 from graphshard.passes.context import TRACED
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
-from graphshard.sharding import ShardedModel, model_for_key
+from graphshard.sharding import ShardedModel, is_traced_key, model_for_key
 
 log = logging.getLogger(__name__)
 _graph_ids = itertools.count()
@@ -165,7 +166,8 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
             models: tuple[ShardedModel, ...] = ()) -> Prepared:
     """Traces ``gm`` to logical ATen and builds its pass context from ``models`` (the sharded models
     the backend is bound to; by name, none: found from the graph's keys)."""
-    dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
+    calls, bodies = inline_regions(gm)
+    dtensor_positions = _strip_dtensor_boundary(gm, example_inputs, models)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
     if any(map(lookup_args, gm.graph.nodes)):  # a sequence lookup's output sizes are the data's
@@ -178,7 +180,8 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     params = {k: p for m in models for k, p in m.params.items()}
     frame = _compat.dynamo_frame()
     report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids), frame=frame,
-                         frame_compile=sum(r.frame == frame for r in models[0].explain) if models else 0)
+                         frame_compile=sum(r.frame == frame for r in models[0].explain) if models else 0,
+                         dynamo_bodies=(calls, len(bodies)))
     if models:
         models[0].explain.append(report)
     model_parallel, group_axes = _axes(markers, layouts, params, models)
@@ -245,24 +248,53 @@ def _sparse_collections(gm: fx.GraphModule, models: tuple[ShardedModel, ...], by
     return {k: owned[k] for k in keys}
 
 
-def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
+def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs, models: tuple[ShardedModel, ...]) -> list[int]:
     """Rewires ``p.to_local()`` to the placeholder itself; returns the DTensor input positions.
     A DTensor passed into a higher-order op's body (activation checkpointing's
     ``tag_activation_checkpoint``: dynamo lifts the parameters a checkpointed function reads into
-    its body's inputs) is rewired inside that body the same way."""
+    its body's inputs) is rewired inside that body the same way. Each marker traced with its
+    model's key only (`sharding.traced_key`) gets the key of the parameter it reads."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     positions = [i for i, (ph, x) in enumerate(zip(placeholders, example_inputs)) if isinstance(x, DTensor)]
-    _strip_to_local(gm, [placeholders[i] for i in positions])
+    keys = _ParamKeys(models)
+    _strip_to_local(gm, {placeholders[i]: example_inputs[i] for i in positions}, keys)
     return positions
 
 
-def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node], in_body: bool = False) -> None:
-    """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``) by the node itself,
-    following them into the bodies of the checkpointed calls they are passed to."""
-    bodies: dict[str, set[int]] = {}  # body attribute -> positions of its inputs that are DTensors
-    for ph in dtensors:
+class _ParamKeys:
+    """Parameter keys by the DTensor object, per model, built on first use."""
+
+    def __init__(self, models: tuple[ShardedModel, ...]):
+        self.models, self.by_model = models, {}
+
+    def of(self, traced: str, tensor, node: fx.Node) -> str:
+        model = next((m for m in self.models if m.owns(traced)), None) or model_for_key(traced)
+        key = None
+        if model is not None:
+            if model.model_id not in self.by_model:
+                self.by_model[model.model_id] = model.keys_by_object()
+            key = self.by_model[model.model_id].get(id(tensor))
+        if key is None:
+            raise ValueError(
+                f"node {node.name!r} reads a DTensor through graphshard's parameter marker ({traced!r}) that no "
+                "module of its sharded model holds: the marker is graphshard's own, read only through a sharded "
+                "module's parameter attribute"
+            )
+        return key
+
+
+def _strip_to_local(gm: fx.GraphModule, dtensors: dict[fx.Node, DTensor], keys: _ParamKeys,
+                    in_body: bool = False) -> None:
+    """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``, with the DTensor each holds)
+    by the node itself, following them into the bodies of the checkpointed calls they are passed to,
+    and puts the parameter's key in each traced marker of it."""
+    bodies: dict[str, dict[int, DTensor]] = {}  # body attribute -> its inputs that are DTensors, by position
+    for ph, value in dtensors.items():
         for user in list(ph.users):
             if _compat.is_plain_to_local(user):
+                for marker in list(user.users):
+                    if _is_marker(marker) and is_traced_key(marker.args[1]):
+                        marker.update_arg(1, keys.of(marker.args[1], value, marker))
                 user.replace_all_uses_with(ph)
                 gm.graph.erase_node(user)
                 continue
@@ -274,13 +306,17 @@ def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node], in_body: bool =
                     "and follows them into activation-checkpointed functions (torch.utils.checkpoint), not into "
                     "other higher-order ops"
                 )
-            bodies.setdefault(user.args[0].target, set()).update(
-                i for i, a in enumerate(user.args[1:]) if a is ph)
-    for name, dtensor_positions in bodies.items():
+            bodies.setdefault(user.args[0].target, {}).update(
+                {i: value for i, a in enumerate(user.args[1:]) if a is ph})
+    for name, inputs_held in bodies.items():
         body = getattr(gm, name)
         inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-        _strip_to_local(body, [inputs[i] for i in sorted(dtensor_positions)], in_body=True)
+        _strip_to_local(body, {inputs[i]: v for i, v in sorted(inputs_held.items())}, keys, in_body=True)
     gm.recompile()
+
+
+def _is_marker(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (ops.param.default, ops.param)
 
 
 _BODY_OPS = ("tag_activation_checkpoint", "wrap")

@@ -37,6 +37,7 @@ class GraphReport:
     recompute: dict = field(default_factory=dict)  # activation checkpointing (compiler.recompute.summary)
     collective_check: dict[str, str] = field(default_factory=dict)  # stage -> what the ranks compared, its cost
     outlined: Any = None  # what trace once shared (`outline.Outlined`), for the compile time per distinct unit
+    dynamo_bodies: tuple[int, int] = (0, 0)  # blocks dynamo stamped out from a traced body, and the distinct bodies
 
     def format(self) -> str:
         lines = [f"graph {self.index}" + (f" ({self.frame}, compile {self.frame_compile})" if self.frame else "") + ":"]
@@ -91,6 +92,9 @@ class GraphReport:
             return []
         lines = ["  compile time per distinct unit (the regions each lowered to, and how many distinct ones "
                  "this rank compiled):"]
+        calls, bodies = self.dynamo_bodies
+        if calls:
+            lines.append(f"    dynamo: {calls} blocks from {bodies} traced bod{'y' if bodies == 1 else 'ies'}")
         for name in outlined.shared:
             units = [c.units[0] or "<root>" for c in outlined.calls if c.body == name]
             lines.append(f"    {units[0]}, reused by {len(units)} units ({_short_list(units)}): traced once "
@@ -166,6 +170,8 @@ def explain(model) -> str:
         raise ValueError(f"{type(model).__name__} was not sharded by graphshard; call graphshard.compile first")
     parts = (["plan notes:"] + [f"  {n}" for n in state.plan.notes] if state.plan.notes else [])
     parts += [p.format() for p in state.preamble]
+    if state.dynamo_regions:
+        parts += ["repeated units (dynamo):"] + [f"  {line}" for line in state.dynamo_regions]
     if state.checkpointing:
         parts += ["activation checkpointing (plan):"] + [f"  {line}" for line in state.checkpointing]
     if not state.explain:

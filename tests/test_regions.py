@@ -1,0 +1,116 @@
+"""Dynamo traces each distinct repeated unit once (graphshard.compiler.regions), on the fake
+process group.
+
+The reference is the flat trace: with the repeated blocks marked, dynamo hands over one body
+called once per block, and once the backend has inlined the calls and put back each marker's key,
+the program the passes see is the flat trace's, node for node. The 2-rank parity of training with
+it is in test_multirank.py (every FSDP case marks its blocks) and the model-coverage suite."""
+
+import dataclasses
+import re
+
+import pytest
+import torch
+from expecttest import TestCase
+
+from _golden import capture_dynamo, render
+from _models import TINY, fsdp_plan, seeded
+import graphshard
+from graphshard import _compat
+from graphshard.compiler import regions
+from graphshard.compiler.backend import prepare
+from graphshard.config import CompileConfig
+from graphshard.testing.models import Block, Transformer, token_batch
+
+DEEP = dataclasses.replace(TINY, n_layers=4)
+
+pytestmark = pytest.mark.skipif(not _compat.HAS_INVOKE_SUBGRAPH, reason="dynamo's subgraph reuse needs torch 2.13")
+
+
+def sharded(model, plan, mark: bool):
+    graphshard.shard(model, plan)
+    notes = regions.mark_repeated_units(model, model._graphshard) if mark else []
+    return model, notes
+
+
+def calls(gm) -> str:
+    """The dynamo graph's ``invoke_subgraph`` calls: body, identifier, operand count."""
+    hop = _compat.invoke_subgraph_op()
+    return "\n".join(f"{n.args[0].target} {n.args[1]}({len(n.args) - 2} operands)"
+                     for n in gm.graph.nodes if n.op == "call_function" and n.target is hop)
+
+
+def traced(model, plan, x) -> tuple[str, object]:
+    """The logical ATen program the passes get (``prepare``), rendered, and its context."""
+    gm, example_inputs = capture_dynamo(model, x)
+    prepared = prepare(gm, example_inputs, CompileConfig(lower="eager"), (model._graphshard,))
+    return render(prepared.graph, plan), prepared
+
+
+class TestRegions(TestCase):
+    def test_dynamo_traces_one_block_for_four(self):
+        x, _ = token_batch(0, 2, 8, 32)
+        model, notes = sharded(seeded(Transformer, DEEP), fsdp_plan(), mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces one and reuses its trace where its guards hold"])
+        gm, _ = capture_dynamo(model, x)
+        # one body, called with each block's 12 parameters and the residual stream
+        self.assertExpectedInline(calls(gm), """\
+subgraph_0 subgraph_0(13 operands)
+subgraph_0 subgraph_0(13 operands)
+subgraph_0 subgraph_0(13 operands)
+subgraph_0 subgraph_0(13 operands)""")
+        # the body names no block: its markers carry the model's key only
+        body = gm.get_submodule("subgraph_0")
+        keys = {n.args[1] for n in body.graph.nodes if n.op == "call_function" and "graphshard.param" in str(n.target)}
+        self.assertEqual(keys, {f"m{model._graphshard.model_id}/?"})
+
+    def test_the_passes_get_the_flat_trace(self):
+        x, _ = token_batch(0, 2, 8, 32)
+        plan = fsdp_plan()
+        flat, flat_ctx = traced(*sharded(seeded(Transformer, DEEP), plan, mark=False)[:1], plan, x)
+        model, _ = sharded(seeded(Transformer, DEEP), plan, mark=True)
+        marked, ctx = traced(model, plan, x)
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1))
+        self.assertEqual(flat_ctx.ctx.report.dynamo_bodies, (0, 0))
+        # node for node, each marker with its own parameter's key (keys render as FQNs)
+        self.assertEqual(_without_model_id(marked), _without_model_id(flat))
+        fqns = [n.args[1].split("/", 1)[1] for n in ctx.graph.graph.nodes
+                if n.op == "call_function" and n.target is torch.ops.graphshard.param.default]
+        self.assertEqual(fqns[2:14:11], ["layers.0.attn_norm.weight", "layers.0.ffn.w2.bias"])
+        self.assertEqual(sorted(fqns), sorted(info.fqn for info in model._graphshard.params.values()
+                                              for _ in range(fqns.count(info.fqn))))
+        self.assertEqual(len({f for f in fqns if f.startswith("layers.")}), 4 * 12)
+
+    def test_a_block_that_differs_is_traced_again(self):
+        x, _ = token_batch(0, 2, 8, 32)
+        model = seeded(Transformer, DEEP)
+        model.layers[2].ffn.w1 = torch.nn.Linear(16, 24)  # its own shapes: the body's guards fail there
+        model.layers[2].ffn.w2 = torch.nn.Linear(24, 16)
+        model, _ = sharded(model, fsdp_plan(), mark=True)
+        gm, _ = capture_dynamo(model, x)
+        bodies = [line.split()[0] for line in calls(gm).splitlines()]
+        self.assertEqual(len(bodies), 3)  # dynamo inlines a body called once
+        self.assertEqual(len(set(bodies)), 1)
+        _, ctx = traced(model, fsdp_plan(), x)
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (3, 1))
+
+    def test_units_left_unmarked_say_why(self):
+        flat, notes = sharded(seeded(Transformer, DEEP), fsdp_plan(flat_params=True), mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (its parameters live in a flat parameter)"])
+        self.assertIs(type(flat.layers[0]), Block)
+        plan = graphshard.Plan(fsdp_plan().mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()},
+                               checkpoint={"layers.*": graphshard.Checkpoint()})
+        _, notes = sharded(seeded(Transformer, DEEP), plan, mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (graphshard wraps its forward (declared layouts "
+                                 "or a plan's Checkpoint))"])
+
+    def test_the_users_class_is_left_alone(self):
+        model, _ = sharded(seeded(Transformer, DEEP), fsdp_plan(), mark=True)
+        self.assertIsNot(type(model.layers[0]), Block)
+        self.assertTrue(isinstance(model.layers[0], Block))
+        self.assertFalse(hasattr(Block.forward, "__marked_compile_region_fn__"))
+        self.assertIs(type(seeded(Transformer, DEEP).layers[0]), Block)
+
+
+def _without_model_id(text: str) -> str:
+    return re.sub(r"m\d+/", "m/", text)
