@@ -65,6 +65,13 @@ FAKE_TENSOR_FALLBACK_ERRORS = tuple(getattr(torch._subclasses.fake_tensor, name)
 eager run of the graph (``torch._dynamo.exc.exceptions_allowed_to_be_fallback``)."""
 
 
+DYNAMO_TRACE_ERRORS = tuple(getattr(torch._dynamo.exc, name) for name in (
+    "Unsupported", "InternalTorchDynamoError", "UncapturedHigherOrderOpError",
+) if hasattr(torch._dynamo.exc, name))
+"""What dynamo raises when it cannot trace a frame (a ``nested_compile_region`` it cannot capture
+whole among them); a backend's own failure is ``BackendCompilerFailed``, not one of these."""
+
+
 def fake_mode_of(example_inputs) -> FakeTensorMode:
     mode = detect_fake_mode(example_inputs)
     if mode is None:

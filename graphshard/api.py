@@ -60,6 +60,8 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
         state.dynamo_regions = regions.mark_repeated_units(root, state)
     module.compile(backend=make_backend(state, config))
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
+    if state.dynamo_regions:
+        _compat.wrap_compiled_call(module, regions.retrying_unmarked(state.dynamo_regions, lambda: len(state.explain)))
     return module
 
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 import functools
 import math
 import weakref
+
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -193,7 +195,7 @@ class ShardedModel:
     explain: list = field(default_factory=list)       # one Explanation per compiled graph
     preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
     checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
-    dynamo_regions: list = field(default_factory=list)  # repeated units dynamo traces once, or why not (compiler.regions)
+    dynamo_regions: Any = None  # the repeated units dynamo traces once, or why not (compiler.regions.RegionMarks)
     eager_reads: dict = field(default_factory=dict)   # key -> where a frame run eagerly in a compiled call read it
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
 

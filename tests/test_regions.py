@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not _compat.HAS_INVOKE_SUBGRAPH, reason="dynamo'
 
 def sharded(model, plan, mark: bool):
     graphshard.shard(model, plan)
-    notes = regions.mark_repeated_units(model, model._graphshard) if mark else []
+    notes = regions.mark_repeated_units(model, model._graphshard).lines if mark else []
     return model, notes
 
 
@@ -110,6 +110,35 @@ subgraph_0 subgraph_0(13 operands)""")
         self.assertTrue(isinstance(model.layers[0], Block))
         self.assertFalse(hasattr(Block.forward, "__marked_compile_region_fn__"))
         self.assertIs(type(seeded(Transformer, DEEP).layers[0]), Block)
+
+
+class KeepsInput(Block):
+    """A block that keeps a view of its input for later (as some HF attention layers do): dynamo
+    refuses to capture it as a region."""
+
+    def forward(self, x):
+        self.kept.append(x.to(x.dtype))
+        return super().forward(x)
+
+
+@pytest.mark.usefixtures("fake_collective_outputs")  # the call runs
+def test_a_region_dynamo_cannot_capture_is_unmarked_and_traced_flat(caplog):
+    model = seeded(Transformer, DEEP)
+    for layer in model.layers:
+        layer.__class__, layer.kept = KeepsInput, []
+    graphshard.compile(model, fsdp_plan(), lower="eager")
+    assert type(model.layers[0]) is not KeepsInput  # marked
+    x, _ = token_batch(0, 2, 8, 32)
+    with caplog.at_level("WARNING", logger="graphshard"):
+        out = model(x)
+    assert out.shape == (2, 8, 32) and torch.isfinite(out).all()
+    assert all(type(layer) is KeepsInput for layer in model.layers)  # the user's class back
+    assert len(model.layers[3].kept) == 1  # the blocks ran once
+    text = graphshard.explain(model)
+    line = "dynamo traces every block: it could not capture a marked region whole (InternalTorchDynamoError: "
+    assert line in text and "graphshard unmarked the units and traced the call again" in text, text
+    assert any(line in r.getMessage() for r in caplog.records)
+    assert "trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own" in text  # outline still shares them
 
 
 def _without_model_id(text: str) -> str:

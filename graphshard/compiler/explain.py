@@ -171,7 +171,7 @@ def explain(model) -> str:
     parts = (["plan notes:"] + [f"  {n}" for n in state.plan.notes] if state.plan.notes else [])
     parts += [p.format() for p in state.preamble]
     if state.dynamo_regions:
-        parts += ["repeated units (dynamo):"] + [f"  {line}" for line in state.dynamo_regions]
+        parts += ["repeated units (dynamo):"] + [f"  {line}" for line in state.dynamo_regions.lines]
     if state.checkpointing:
         parts += ["activation checkpointing (plan):"] + [f"  {line}" for line in state.checkpointing]
     if not state.explain:

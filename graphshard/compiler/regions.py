@@ -15,18 +15,24 @@ reads (`backend._strip_dtensor_boundary`).
 
 A unit is not marked when graphshard wraps its forward (declared layouts, a plan's
 `Checkpoint`, the root), when its parameters live in a flat parameter (the marker there reads
-the unit's slot, which names the block), or when the user marked its forward already.
+the unit's slot, which names the block), or when the user marked its forward already. Dynamo cannot capture every block as a region (a block that
+keeps a view of its input for later, as some HF attention layers do, is refused): when it fails on
+a marked model's first call, graphshard unmarks the units and traces the call again, flat, and
+``explain`` says why (`retrying_unmarked`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import operator
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from typing import Callable
 
 from graphshard import _compat
 from graphshard.sharding import ShardedModel
@@ -37,31 +43,80 @@ _WRAPPED = ("_graphshard_io", "_graphshard_checkpoint", "_graphshard_root")
 _region_classes: dict[tuple[type, int], type] = {}
 
 
-def mark_repeated_units(root: nn.Module, state: ShardedModel) -> list[str]:
-    """Marks the forward of each unit of ``root`` whose class repeats (see the module docstring);
-    returns one line per class for ``explain``, marked or why not."""
+class RegionMarks:
+    """The units `mark_repeated_units` marked, one line per repeated class for ``explain``, and the
+    way back: `unmark` when dynamo cannot capture a marked region."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.marked: list[nn.Module] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.lines)
+
+    def unmark(self, error: BaseException) -> None:
+        """Gives every marked unit its class back and records why (the first line of ``error``)."""
+        for mod in self.marked:
+            mod.__class__ = type(mod).__bases__[0]
+        self.marked = []
+        why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        self.lines = [f"dynamo traces every block: it could not capture a marked region whole ({why[:300]}); "
+                      "graphshard unmarked the units and traced the call again"]
+        log.warning("graphshard: %s", self.lines[0])
+
+
+def mark_repeated_units(root: nn.Module, state: ShardedModel) -> RegionMarks:
+    """Marks the forward of each unit of ``root`` whose class repeats (see the module docstring)."""
+    marks = RegionMarks()
     if not _compat.HAS_INVOKE_SUBGRAPH:
-        return [f"dynamo traces every block: torch {torch.__version__} has no nested_compile_region reuse (2.13)"]
+        marks.lines.append(f"dynamo traces every block: torch {torch.__version__} has no nested_compile_region "
+                           "reuse (2.13)")
+        return marks
     by_class: dict[type, list[tuple[str, nn.Module]]] = {}
     for fqn in state.units:
         if fqn:
             mod = root.get_submodule(fqn)
             by_class.setdefault(type(mod), []).append((fqn, mod))
-    notes = []
     for cls, units in by_class.items():
         if len(units) < 2:
             continue
         reason = _unmarkable(cls, units, state)
         first = units[0][0]
         if reason:
-            notes.append(f"{first} x{len(units)}: dynamo traces each ({reason})")
+            marks.lines.append(f"{first} x{len(units)}: dynamo traces each ({reason})")
             log.info("graphshard: dynamo traces each of the %d units like %s: %s", len(units), first, reason)
             continue
         region = _region_class(cls, len(units))
         for _, mod in units:
             mod.__class__ = region
-        notes.append(f"{first} x{len(units)}: dynamo traces one and reuses its trace where its guards hold")
-    return notes
+            marks.marked.append(mod)
+        marks.lines.append(f"{first} x{len(units)}: dynamo traces one and reuses its trace where its guards hold")
+    return marks
+
+
+def retrying_unmarked(marks: RegionMarks, compiled_graphs: Callable[[], int]):
+    """A wrap for a model's compiled call: when dynamo fails to trace a call before graphshard has
+    compiled any graph of the model (nothing of the call has run: a marked region dynamo cannot
+    capture whole, such as a block that stores a view of its input), the units are unmarked and the
+    call traced again, flat. An error after a graph was compiled is raised as it is: part of the
+    call may have run."""
+    def wrap(call):
+        @functools.wraps(call)
+        def compiled_call(*args, **kwargs):
+            if not marks.marked:
+                return call(*args, **kwargs)
+            before = compiled_graphs()
+            try:
+                return call(*args, **kwargs)
+            except _compat.DYNAMO_TRACE_ERRORS as e:
+                if compiled_graphs() != before:
+                    raise
+                marks.unmark(e)
+            return call(*args, **kwargs)
+
+        return compiled_call
+
+    return wrap
 
 
 def _unmarkable(cls: type, units: list[tuple[str, nn.Module]], state: ShardedModel) -> str | None:
