@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 from expecttest import TestCase
+from torch.distributed.device_mesh import init_device_mesh
 
 from _golden import capture_dynamo, render
 from _models import TINY, fsdp_plan, seeded
@@ -103,6 +104,14 @@ subgraph_0 subgraph_0(13 operands)""")
         _, notes = sharded(seeded(Transformer, DEEP), plan, mark=True)
         self.assertEqual(notes, ["layers.0 x4: dynamo traces each (graphshard wraps its forward (declared layouts "
                                  "or a plan's Checkpoint))"])
+        from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        plan = graphshard.Plan(mesh, {"layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w2": RowwiseParallel(),
+                                      "layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+        _, notes = sharded(seeded(Transformer, DEEP), plan, mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (modules inside it declare layouts (tensor "
+                                 "parallelism), whose markers name the module)"])
 
     def test_the_users_class_is_left_alone(self):
         model, _ = sharded(seeded(Transformer, DEEP), fsdp_plan(), mark=True)

@@ -14,8 +14,10 @@ see the graph a flat trace gives. The backend puts each marker's key back from t
 reads (`backend._strip_dtensor_boundary`).
 
 A unit is not marked when graphshard wraps its forward (declared layouts, a plan's
-`Checkpoint`, the root), when its parameters live in a flat parameter (the marker there reads
-the unit's slot, which names the block), or when the user marked its forward already. Dynamo cannot capture every block as a region (a block that
+`Checkpoint`, the root), when modules inside it declare layouts (tensor parallelism: a layout
+marker names its module, so no other block would pass the body's guards), when its parameters
+live in a flat parameter (the marker there reads the unit's slot, which names the block), or
+when the user marked its forward already. Dynamo cannot capture every block as a region (a block that
 keeps a view of its input for later, as some HF attention layers do, is refused): when it fails on
 a marked model's first call, graphshard unmarks the units and traces the call again, flat, and
 ``explain`` says why (`retrying_unmarked`).
@@ -130,6 +132,9 @@ def _unmarkable(cls: type, units: list[tuple[str, nn.Module]], state: ShardedMod
         wrapped = [k for k in _WRAPPED if k in mod.__dict__]
         if wrapped:
             return "graphshard wraps its forward (declared layouts or a plan's Checkpoint)"
+        if any("_graphshard_io" in m.__dict__ for m in mod.modules()):
+            # a layout marker names its module, so every block would fail the body's guards
+            return "modules inside it declare layouts (tensor parallelism), whose markers name the module"
     return None
 
 

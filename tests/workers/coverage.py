@@ -15,7 +15,8 @@ Each CASE is ``arch:strategy:lower`` (``tests/workers/hf_archs.py`` lists the ar
   ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises; with
   ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint);
 - a flag ``deep``: 4 blocks instead of 2, so that blocks repeat and are traced once
-  (``trace_once``, ``graphshard.compiler.outline``); the result's ``trace_once`` is explain's line.
+  (``trace_once``, ``graphshard.compiler.outline``); the result's ``trace_once`` is explain's line,
+  ``dynamo_regions`` and ``dynamo_bodies`` what dynamo shared (``graphshard.compiler.regions``).
 
 Each case trains the model for STEPS steps of SGD with momentum on its rank's slice of
 the global batch and compares the loss per step (averaged over the data-parallel ranks)
@@ -136,7 +137,9 @@ def run_case(case: str) -> dict:
             "new_graphs": new_graphs, "graph_breaks": sum(counters["graph_break"].values()),
             "graph_break_reasons": sorted({r.split("\n")[0][:200] for r in counters["graph_break"]}),
             "fallbacks": fallbacks, "eager_units": eager, "seconds": round(seconds, 1),
-            "trace_once": [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")]}
+            "trace_once": [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")],
+            "dynamo_regions": model._graphshard.dynamo_regions.lines if model._graphshard.dynamo_regions else [],
+            "dynamo_bodies": [list(r.dynamo_bodies) for r in model._graphshard.explain]}
 
 
 def _root_cause(e: BaseException) -> BaseException:
