@@ -94,6 +94,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
        "left out of FAKE_TENSOR_FALLBACK_ERRORS: that error fails the compile instead of a graph break")
       for name in ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException",
                    "UnsupportedFakeTensorException", "UnsupportedMutationAliasingException")),
+    *((f"torch._dynamo.exc.{name}", "api.py's compiled call (_compat.DYNAMO_TRACE_ERRORS, compiler/regions.py)",
+       "left out of DYNAMO_TRACE_ERRORS: a region dynamo cannot capture fails the call instead of a flat retrace")
+      for name in ("Unsupported", "InternalTorchDynamoError", "UncapturedHigherOrderOpError")),
     ("torch.fx.experimental.proxy_tensor.make_fx", "backend.py, passes/shard_embeddings.py (_compat.make_fx)"),
     ("torch.fx.experimental.proxy_tensor.make_fx(tracing_mode=)", "backend.py, passes/shard_embeddings.py"),
     ("torch.fx.experimental.proxy_tensor.get_proxy_mode",

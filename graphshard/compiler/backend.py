@@ -207,11 +207,15 @@ def _models_of(keys: list[str], bound: tuple[ShardedModel, ...]) -> tuple[Sharde
             continue
         model = model_for_key(key)
         if model is None:
-            raise ValueError(f"the graph reads {key!r}, a parameter or layout of no live sharded model: the model it "
-                             "belonged to was freed, or the graph was captured before graphshard.shard; compile "
-                             "the model graphshard sharded")
+            raise _no_live_model(repr(key))
         models.append(model)
     return tuple(models)
+
+
+def _no_live_model(what: str) -> ValueError:
+    return ValueError(f"the graph reads {what}, a parameter or layout of no live sharded model: the model it "
+                      "belonged to was freed, or the graph was captured before graphshard.shard; compile "
+                      "the model graphshard sharded")
 
 
 def _axes(markers: list[fx.Node], layouts: list[fx.Node], params: dict, models) -> tuple[dict, dict]:
@@ -267,8 +271,10 @@ class _ParamKeys:
     def __init__(self, models: tuple[ShardedModel, ...]):
         self.models, self.by_model = models, {}
 
-    def of(self, traced: str, tensor, node: fx.Node) -> str:
+    def of(self, traced: str, tensor, node: fx.Node, read: fx.Node) -> str:
         model = next((m for m in self.models if m.owns(traced)), None) or model_for_key(traced)
+        if model is None:
+            raise _no_live_model(f"{traced!r} (input {read.target!r})")
         key = None
         if model is not None:
             if model.model_id not in self.by_model:
@@ -294,7 +300,7 @@ def _strip_to_local(gm: fx.GraphModule, dtensors: dict[fx.Node, DTensor], keys: 
             if _compat.is_plain_to_local(user):
                 for marker in list(user.users):
                     if _is_marker(marker) and is_traced_key(marker.args[1]):
-                        marker.update_arg(1, keys.of(marker.args[1], value, marker))
+                        marker.update_arg(1, keys.of(marker.args[1], value, marker, ph))
                 user.replace_all_uses_with(ph)
                 gm.graph.erase_node(user)
                 continue
