@@ -275,11 +275,9 @@ class _ParamKeys:
         model = next((m for m in self.models if m.owns(traced)), None) or model_for_key(traced)
         if model is None:
             raise _no_live_model(f"{traced!r} (input {read.target!r})")
-        key = None
-        if model is not None:
-            if model.model_id not in self.by_model:
-                self.by_model[model.model_id] = model.keys_by_object()
-            key = self.by_model[model.model_id].get(id(tensor))
+        if model.model_id not in self.by_model:
+            self.by_model[model.model_id] = model.keys_by_object()
+        key = self.by_model[model.model_id].get(id(tensor))
         if key is None:
             raise ValueError(
                 f"node {node.name!r} reads a DTensor through graphshard's parameter marker ({traced!r}) that no "
