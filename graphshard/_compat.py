@@ -239,6 +239,14 @@ def proxy_trace_graph() -> torch.fx.Graph | None:
     return mode.tracer.graph if mode is not None else None
 
 
+def reenter_make_fx(fn: Callable) -> Callable:
+    """``fn`` traced by the ``make_fx`` session in progress into a graph of its own, with the
+    session's fake mode and settings (the way torch's higher-order ops trace their bodies)."""
+    from torch._higher_order_ops.utils import reenter_make_fx as reenter
+
+    return reenter(fn)
+
+
 def group_ranks(group_name: str) -> list[int]:
     """The global ranks of the process group a functional collective names."""
     from torch.distributed.distributed_c10d import _resolve_process_group

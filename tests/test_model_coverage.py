@@ -169,8 +169,9 @@ def test_dynamo_traces_repeated_blocks_once(coverage_results, deep_case):
         assert DYNAMO_UNMARKED[arch] in lines[0], (deep_case, lines)
         return
     assert any("dynamo traces one and reuses its trace" in line for line in lines), (deep_case, lines)
-    calls, bodies = max(tuple(b) for b in r["dynamo_bodies"])
-    assert calls >= 3 and bodies < calls, (deep_case, r["dynamo_bodies"])  # 4 blocks (dynamo inlines a body called once)
+    calls, bodies, aten = max(tuple(b) for b in r["dynamo_bodies"])
+    # 4 blocks (dynamo inlines a body called once); each body traced to ATen once (compiler.aten_trace)
+    assert calls >= 3 and bodies < calls and aten == bodies, (deep_case, r["dynamo_bodies"])
 
 
 def test_regional_and_whole_graph_lowering_agree(coverage_results, request):

@@ -133,7 +133,7 @@ def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
     # with Inductor) its regions: each compiled one stamped out once per block
     lines = two_rank_results[case]["distinct_units"]
     # dynamo traced one block and stamped its body out for the other three (compiler.regions)
-    assert lines[1] == "dynamo: 4 blocks from 1 traced body", lines
+    assert lines[1] == "dynamo: 4 blocks from 1 traced body, traced to ATen once", lines
     assert lines[2].startswith("layers.0, reused by 4 units (layers.0, layers.1, layers.2, layers.3): traced once in "), lines
     assert lines[-1].startswith("in line (the units on their own"), lines
     if case.endswith(":inductor"):

@@ -21,6 +21,7 @@ from graphshard import _compat
 from graphshard.compiler import regions
 from graphshard.compiler.backend import prepare
 from graphshard.config import CompileConfig
+from graphshard.passes.tag_recomputation import module_of
 from graphshard.testing.models import Block, Transformer, token_batch
 
 DEEP = dataclasses.replace(TINY, n_layers=4)
@@ -71,8 +72,8 @@ subgraph_0 subgraph_0(13 operands)""")
         flat, flat_ctx = traced(*sharded(seeded(Transformer, DEEP), plan, mark=False)[:1], plan, x)
         model, _ = sharded(seeded(Transformer, DEEP), plan, mark=True)
         marked, ctx = traced(model, plan, x)
-        self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1))
-        self.assertEqual(flat_ctx.ctx.report.dynamo_bodies, (0, 0))
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1, 1))  # the body traced to ATen once
+        self.assertEqual(flat_ctx.ctx.report.dynamo_bodies, (0, 0, 0))
         # node for node, each marker with its own parameter's key (keys render as FQNs)
         self.assertEqual(_without_model_id(marked), _without_model_id(flat))
         fqns = [n.args[1].split("/", 1)[1] for n in ctx.graph.graph.nodes
@@ -81,6 +82,31 @@ subgraph_0 subgraph_0(13 operands)""")
         self.assertEqual(sorted(fqns), sorted(info.fqn for info in model._graphshard.params.values()
                                               for _ in range(fqns.count(info.fqn))))
         self.assertEqual(len({f for f in fqns if f.startswith("layers.")}), 4 * 12)
+
+    def test_checkpointed_blocks_get_the_flat_trace(self):
+        # torch's apply_activation_checkpointing: each block a CheckpointWrapper, whose body dynamo
+        # records as tag_activation_checkpoint inside the region body; the DTensor boundary is
+        # followed through both, and the body is traced to ATen once
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+        x, _ = token_batch(0, 2, 8, 32)
+        plan = fsdp_plan()
+
+        def model():
+            m = seeded(Transformer, DEEP)
+            apply_activation_checkpointing(m, check_fn=lambda mod: isinstance(mod, Block))
+            return m
+
+        flat, flat_ctx = traced(sharded(model(), plan, mark=False)[0], plan, x)
+        marked_model, notes = sharded(model(), plan, mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces one and reuses its trace where its guards hold"])
+        marked, ctx = traced(marked_model, plan, x)
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1, 1))
+        self.assertEqual(_without_model_id(marked), _without_model_id(flat))
+        # each copy names its own block's modules (explain and the checkpoint regions read them)
+        modules = [[module_of(n) for n in p.graph.graph.nodes] for p in (ctx, flat_ctx)]
+        self.assertEqual(modules[0], modules[1])
+        self.assertEqual(len({m.split(".")[1] for m in modules[0] if m and m.startswith("layers.")}), 4)
 
     def test_a_block_that_differs_is_traced_again(self):
         x, _ = token_batch(0, 2, 8, 32)
@@ -93,7 +119,7 @@ subgraph_0 subgraph_0(13 operands)""")
         self.assertEqual(len(bodies), 3)  # dynamo inlines a body called once
         self.assertEqual(len(set(bodies)), 1)
         _, ctx = traced(model, fsdp_plan(), x)
-        self.assertEqual(ctx.ctx.report.dynamo_bodies, (3, 1))
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (3, 1, 1))
 
     def test_units_left_unmarked_say_why(self):
         flat, notes = sharded(seeded(Transformer, DEEP), fsdp_plan(flat_params=True), mark=True)
@@ -151,4 +177,8 @@ def test_a_region_dynamo_cannot_capture_is_unmarked_and_traced_flat(caplog):
 
 
 def _without_model_id(text: str) -> str:
+    """The rendered graph without its model's id, and checkpoint regions numbered by first
+    appearance (torch numbers them from a process-wide counter)."""
+    numbers: dict[str, str] = {}
+    text = re.sub(r"ac_graph_id: (\d+)", lambda m: f"ac_graph_id: {numbers.setdefault(m[1], str(len(numbers) + 1))}", text)
     return re.sub(r"m\d+/", "m/", text)

@@ -6,7 +6,8 @@ backend
 
 1. moves the DTensor boundary outside the graph (the compiled callable takes
    local shards; ``to_local`` runs eagerly, so gradients land on the DTensors);
-2. traces the graph to ATen with fake tensors of logical shape;
+2. traces the graph to ATen with fake tensors of logical shape, each distinct repeated block's
+   body once (`aten_trace`), and puts each parameter marker's key back;
 3. runs the pre-autograd passes (logical program -> per-rank SPMD program);
 4. hands the result to aot_autograd, whose partitioner honours the resharding
    tags, runs the post-partition passes on the forward and backward graphs, and
@@ -36,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
 from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, recompute
+from graphshard.compiler.aten_trace import trace_to_aten
 from graphshard.compiler.regions import inline_regions
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
@@ -45,7 +47,6 @@ from graphshard.ops.dense import compiling, decompositions
 from graphshard.ops.rng import KeyStream
 from graphshard.ops.sparse import lookup_args
 from graphshard.params import resolve
-from graphshard.passes.context import TRACED
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
 from graphshard.sharding import ShardedModel, is_traced_key, model_for_key
 
@@ -166,13 +167,15 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
             models: tuple[ShardedModel, ...] = ()) -> Prepared:
     """Traces ``gm`` to logical ATen and builds its pass context from ``models`` (the sharded models
     the backend is bound to; by name, none: found from the graph's keys)."""
-    calls, bodies = inline_regions(gm)
-    dtensor_positions = _strip_dtensor_boundary(gm, example_inputs, models)
+    calls, bodies = inline_regions(gm, keep_calls=True)
+    dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
     fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
-    if any(map(lookup_args, gm.graph.nodes)):  # a sequence lookup's output sizes are the data's
+    if any(lookup_args(n) for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes):
+        # a sequence lookup's output sizes are the data's
         _compat.allow_data_dependent_sizes(fake_mode)
-    traced = _trace_to_aten(gm, fake_inputs, fake_mode)
+    traced, aten_bodies = trace_to_aten(gm, fake_inputs, fake_mode)
+    _resolve_traced_keys(traced, example_inputs, [n.target for n in gm.graph.find_nodes(op="placeholder")], models)
     markers = _nodes(traced, ops.param.default)
     layouts = _nodes(traced, ops.layout.default)
     bound = bool(models)
@@ -181,7 +184,7 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     frame = _compat.dynamo_frame()
     report = GraphReport(index=len(models[0].explain) if models else next(_graph_ids), frame=frame,
                          frame_compile=sum(r.frame == frame for r in models[0].explain) if models else 0,
-                         dynamo_bodies=(calls, len(bodies)))
+                         dynamo_bodies=(calls, len(bodies), aten_bodies))
     if models:
         models[0].explain.append(report)
     model_parallel, group_axes = _axes(markers, layouts, params, models)
@@ -252,17 +255,78 @@ def _sparse_collections(gm: fx.GraphModule, models: tuple[ShardedModel, ...], by
     return {k: owned[k] for k in keys}
 
 
-def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs, models: tuple[ShardedModel, ...]) -> list[int]:
+def _strip_dtensor_boundary(gm: fx.GraphModule, example_inputs) -> list[int]:
     """Rewires ``p.to_local()`` to the placeholder itself; returns the DTensor input positions.
     A DTensor passed into a higher-order op's body (activation checkpointing's
     ``tag_activation_checkpoint``: dynamo lifts the parameters a checkpointed function reads into
-    its body's inputs) is rewired inside that body the same way. Each marker traced with its
-    model's key only (`sharding.traced_key`) gets the key of the parameter it reads."""
+    its body's inputs; a repeated block's ``invoke_subgraph`` body) is rewired inside that body the
+    same way, once for a body its calls share."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     positions = [i for i, (ph, x) in enumerate(zip(placeholders, example_inputs)) if isinstance(x, DTensor)]
-    keys = _ParamKeys(models)
-    _strip_to_local(gm, {placeholders[i]: example_inputs[i] for i in positions}, keys)
+    _strip_to_local(gm, [placeholders[i] for i in positions])
     return positions
+
+
+def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node], in_body: bool = False) -> None:
+    """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``) by the node itself,
+    following them into the bodies of the checkpointed and region calls they are passed to."""
+    bodies: dict[str, set[int]] = {}  # body attribute -> its inputs that are DTensors, by position
+    for ph in dtensors:
+        for user in list(ph.users):
+            if _compat.is_plain_to_local(user):
+                user.replace_all_uses_with(ph)
+                gm.graph.erase_node(user)
+                continue
+            called = _body_call(gm, user)
+            if called is None or ph in user.kwargs.values():
+                raise NotImplementedError(
+                    f"{'input of a checkpointed body' if in_body else 'graph input'} {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
+                    "graphshard compiles parameters read through the module attribute (read it as module.<name>), "
+                    "and follows them into activation-checkpointed functions (torch.utils.checkpoint) and repeated "
+                    "blocks' bodies, not into other higher-order ops"
+                )
+            name, operands = called
+            bodies.setdefault(name, set()).update(i for i, a in enumerate(operands) if a is ph)
+    held = set(dtensors)
+    for node in gm.graph.nodes:  # a body its calls share: every call passes a DTensor where one does
+        called = _body_call(gm, node)
+        if called is not None and called[0] in bodies:
+            plain = [i for i in bodies[called[0]] if called[1][i] not in held]
+            if plain:
+                raise NotImplementedError(
+                    f"node {node.name!r} calls the body {called[0]!r} with a plain tensor at operand {plain[0]}, where "
+                    "another call passes a DTensor parameter; graphshard strips the DTensor boundary of a body once "
+                    "for all its calls. Report it: dynamo shares a body only between calls of the same input types")
+    for name, positions in bodies.items():
+        body = getattr(gm, name)
+        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
+        _strip_to_local(body, [inputs[i] for i in sorted(positions)], in_body=True)
+    gm.recompile()
+
+
+def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], models: tuple[ShardedModel, ...]) -> None:
+    """Puts in each marker traced with its model's key only (`sharding.traced_key`) the key of the
+    parameter it reads: found from the DTensor graph input the marker reads (through views). ``names``
+    are dynamo's names of the inputs, for errors."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {ph: i for i, ph in enumerate(placeholders)}
+    keys = _ParamKeys(models)
+    for marker in gm.graph.nodes:
+        if not (_is_marker(marker) and is_traced_key(marker.args[1])):
+            continue
+        source = marker.args[0]
+        while source.op == "call_function" and getattr(source.target, "is_view", False):
+            source = source.args[0]
+        value = example_inputs[index[source]] if source in index else None
+        if not isinstance(value, DTensor):
+            raise ValueError(
+                f"node {marker.name!r} reads graphshard's parameter marker ({marker.args[1]!r}) of "
+                f"{names[index[source]] if source in index else source.name!r}, "
+                "which is not a sharded parameter the graph takes as input: the marker is graphshard's own, read only "
+                "through a sharded module's parameter attribute"
+            )
+        marker.update_arg(1, keys.of(marker.args[1], value, marker, names[index[source]]))
+    gm.recompile()
 
 
 class _ParamKeys:
@@ -271,10 +335,10 @@ class _ParamKeys:
     def __init__(self, models: tuple[ShardedModel, ...]):
         self.models, self.by_model = models, {}
 
-    def of(self, traced: str, tensor, node: fx.Node, read: fx.Node) -> str:
+    def of(self, traced: str, tensor, node: fx.Node, read: str) -> str:
         model = next((m for m in self.models if m.owns(traced)), None) or model_for_key(traced)
         if model is None:
-            raise _no_live_model(f"{traced!r} (input {read.target!r})")
+            raise _no_live_model(f"{traced!r} (input {read!r})")
         if model.model_id not in self.by_model:
             self.by_model[model.model_id] = model.keys_by_object()
         key = self.by_model[model.model_id].get(id(tensor))
@@ -287,38 +351,6 @@ class _ParamKeys:
         return key
 
 
-def _strip_to_local(gm: fx.GraphModule, dtensors: dict[fx.Node, DTensor], keys: _ParamKeys,
-                    in_body: bool = False) -> None:
-    """Replaces each ``to_local()`` of the ``dtensors`` nodes (of ``gm``, with the DTensor each holds)
-    by the node itself, following them into the bodies of the checkpointed calls they are passed to,
-    and puts the parameter's key in each traced marker of it."""
-    bodies: dict[str, dict[int, DTensor]] = {}  # body attribute -> its inputs that are DTensors, by position
-    for ph, value in dtensors.items():
-        for user in list(ph.users):
-            if _compat.is_plain_to_local(user):
-                for marker in list(user.users):
-                    if _is_marker(marker) and is_traced_key(marker.args[1]):
-                        marker.update_arg(1, keys.of(marker.args[1], value, marker, ph))
-                user.replace_all_uses_with(ph)
-                gm.graph.erase_node(user)
-                continue
-            body = _body_of(gm, user)
-            if body is None or ph in user.kwargs.values():
-                raise NotImplementedError(
-                    f"{'input of a checkpointed body' if in_body else 'graph input'} {ph.target!r} is a DTensor used directly by node {user.name!r} ({user.target}); "
-                    "graphshard compiles parameters read through the module attribute (read it as module.<name>), "
-                    "and follows them into activation-checkpointed functions (torch.utils.checkpoint), not into "
-                    "other higher-order ops"
-                )
-            bodies.setdefault(user.args[0].target, {}).update(
-                {i: value for i, a in enumerate(user.args[1:]) if a is ph})
-    for name, inputs_held in bodies.items():
-        body = getattr(gm, name)
-        inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-        _strip_to_local(body, {inputs[i]: v for i, v in sorted(inputs_held.items())}, keys, in_body=True)
-    gm.recompile()
-
-
 def _is_marker(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (ops.param.default, ops.param)
 
@@ -327,19 +359,22 @@ _BODY_OPS = ("tag_activation_checkpoint", "wrap")
 """Higher-order ops called as ``op(body, *inputs)``: the body's inputs are the call's operands."""
 
 
-def _body_of(gm: fx.GraphModule, node: fx.Node) -> fx.GraphModule | None:
-    """The body of a checkpointed call (``tag_activation_checkpoint(body, *inputs)``, or dynamo's
-    plain ``wrap``) whose inputs are the call's operands one for one; None for any other node."""
+def _body_call(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple] | None:
+    """(body attribute, operands) of a checkpointed call (``tag_activation_checkpoint(body,
+    *inputs)``, or dynamo's plain ``wrap``) or a region call (``invoke_subgraph(body, identifier,
+    *inputs)``) whose operands are its body's inputs one for one; None for any other node."""
     if node.op != "call_function" or not _compat.is_higher_order_op(node.target):
         return None
-    if getattr(node.target, "__name__", None) not in _BODY_OPS or not node.args:
+    region = _compat.HAS_INVOKE_SUBGRAPH and node.target is _compat.invoke_subgraph_op()
+    if not (region or getattr(node.target, "__name__", None) in _BODY_OPS) or not node.args:
         return None
     first = node.args[0]
     body = getattr(gm, first.target, None) if isinstance(first, fx.Node) and first.op == "get_attr" else None
     if not isinstance(body, fx.GraphModule):
         return None
+    operands = node.args[2:] if region else node.args[1:]
     inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
-    return body if len(inputs) == len(node.args) - 1 else None
+    return (first.target, operands) if len(inputs) == len(operands) else None
 
 
 def _fake_local(x, fake_mode):
@@ -348,46 +383,6 @@ def _fake_local(x, fake_mode):
     if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
         x = fake_mode.from_tensor(x)
     return x
-
-
-def _trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> fx.GraphModule:
-    """The dynamo graph as ATen, traced with the grad facts of the real call: the grad mode
-    dynamo compiles for and inputs that require grad as the real ones do. Composite ops pick
-    their kernels by these facts (attention picks a fused kernel only for a mask that needs
-    no gradient), and aot_autograd traces the result again with autograd on: a kernel chosen
-    as if nothing needed a gradient then has no derivative for what does. Autograd, recording
-    as it goes, detaches the outputs some ops save for their backward (``_softmax``); those
-    detaches have no reader and are dropped (aot_autograd records its own). Each ATen node keeps
-    the stack trace of the dynamo node it came from, and no other node meta (`_StackTraces`)."""
-    with fake_mode:
-        traced = _compat.make_fx(_StackTraces(gm).run, tracing_mode="real")(*fake_inputs)
-    for node in reversed(traced.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
-            traced.graph.erase_node(node)
-        else:
-            node.meta[TRACED] = True
-    traced.recompile()
-    return traced
-
-
-class _StackTraces(fx.Interpreter):
-    """Runs a dynamo graph under ``make_fx`` and gives the ATen nodes each of its nodes records the
-    user's stack trace of that node: the source line the collective check and ``explain`` name.
-    Only ``stack_trace``: torch's ``preserve_node_meta`` would also carry module stacks and
-    activation-checkpointing tags into the graph the passes read. aot_autograd carries the stack
-    traces on into the forward and backward graphs."""
-
-    def run_node(self, n: fx.Node):
-        graph, trace = _compat.proxy_trace_graph(), n.meta.get("stack_trace")
-        if graph is None or not trace:
-            return super().run_node(n)
-        last = next(reversed(graph.nodes), None)
-        out = super().run_node(n)
-        for node in reversed(graph.nodes):
-            if node is last:
-                break
-            node.meta.setdefault("stack_trace", trace)
-        return out
 
 
 def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> list:

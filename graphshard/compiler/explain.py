@@ -37,7 +37,8 @@ class GraphReport:
     recompute: dict = field(default_factory=dict)  # activation checkpointing (compiler.recompute.summary)
     collective_check: dict[str, str] = field(default_factory=dict)  # stage -> what the ranks compared, its cost
     outlined: Any = None  # what trace once shared (`outline.Outlined`), for the compile time per distinct unit
-    dynamo_bodies: tuple[int, int] = (0, 0)  # blocks dynamo stamped out from a traced body, and the distinct bodies
+    dynamo_bodies: tuple[int, int, int] = (0, 0, 0)  # blocks dynamo stamped out from a traced body, the distinct
+    # bodies, and the bodies' traces to ATen (`aten_trace`: one per distinct body and operand metadata)
 
     def format(self) -> str:
         lines = [f"graph {self.index}" + (f" ({self.frame}, compile {self.frame_compile})" if self.frame else "") + ":"]
@@ -92,9 +93,10 @@ class GraphReport:
             return []
         lines = ["  compile time per distinct unit (the regions each lowered to, and how many distinct ones "
                  "this rank compiled):"]
-        calls, bodies = self.dynamo_bodies
+        calls, bodies, aten = self.dynamo_bodies
         if calls:
-            lines.append(f"    dynamo: {calls} blocks from {bodies} traced bod{'y' if bodies == 1 else 'ies'}")
+            lines.append(f"    dynamo: {calls} blocks from {bodies} traced bod{'y' if bodies == 1 else 'ies'}, "
+                         f"traced to ATen {_times(aten)}")
         for name in outlined.shared:
             units = [c.units[0] or "<root>" for c in outlined.calls if c.body == name]
             lines.append(f"    {units[0]}, reused by {len(units)} units ({_short_list(units)}): traced once "
@@ -198,3 +200,7 @@ def _eager_regions(state) -> list[str]:
              "whole at its read, its gradient reduced eagerly; TORCH_LOGS=graph_breaks says why dynamo skipped them):"]
     lines += [f"  {name}: {len(reads)} parameter(s), first {reads[0]}" for name, reads in by_unit.items()]
     return lines
+
+
+def _times(n: int) -> str:
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")

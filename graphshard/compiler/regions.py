@@ -8,10 +8,11 @@ so a mark never changes what runs. It can do that because a traced marker carrie
 key, not the parameter's FQN (`sharding.traced_key`): a block's trace reads no value that names
 the block.
 
-The backend inlines the bodies dynamo hands over (`inline_regions`) before anything else, so
-the passes, the scheduler and ``outline`` (which traces a body to ATen and differentiates it once)
-see the graph a flat trace gives. The backend puts each marker's key back from the DTensor it
-reads (`backend._strip_dtensor_boundary`).
+The backend traces each distinct body dynamo hands over to ATen once (`aten_trace`) and inlines
+its copies there (calls nested in other bodies are inlined before, `inline_regions`), so the
+passes, the scheduler and ``outline`` (which differentiates a unit's body once) see the graph a
+flat trace gives. The backend puts each marker's key back from the DTensor it reads
+(`backend._resolve_traced_keys`).
 
 A unit is not marked when graphshard wraps its forward (declared layouts, a plan's
 `Checkpoint`, the root), when modules inside it declare layouts (tensor parallelism: a layout
@@ -152,29 +153,44 @@ def _region_class(cls: type, units: int) -> type:
     return region
 
 
-def inline_regions(gm: fx.GraphModule) -> tuple[int, set[str]]:
+def inline_regions(gm: fx.GraphModule, keep_calls: bool = False) -> tuple[int, set[str]]:
     """Replaces each ``invoke_subgraph`` call of ``gm`` by a copy of its body's nodes (a body's own
     attributes, the bodies of calls inside it, copied onto ``gm``), here and in the bodies of other
-    higher-order calls; returns the calls inlined and the identifiers of the bodies they called."""
+    higher-order calls; returns the calls and the identifiers of the bodies they call. With
+    ``keep_calls``, the calls of ``gm`` itself whose operands and outputs are all tensors stay
+    (`aten_trace` traces each distinct body once and inlines them in ATen), and only the calls
+    inside their bodies are inlined."""
     if not _compat.HAS_INVOKE_SUBGRAPH:
         return 0, set()
     hop = _compat.invoke_subgraph_op()
-    inlined, bodies, attrs = 0, set(), set()
+    count, bodies, attrs, seen = 0, set(), set(), set()
     for node in gm.graph.nodes:  # the bodies of other higher-order ops (activation checkpointing's) first
-        if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), fx.GraphModule) and not any(
-                u.op == "call_function" and u.target is hop for u in node.users):
-            calls, inner = inline_regions(getattr(gm, node.target))
-            inlined, bodies = inlined + calls, bodies | inner
+        body = getattr(gm, node.target, None) if node.op == "get_attr" else None
+        if not isinstance(body, fx.GraphModule) or node.target in seen:
+            continue
+        called = any(u.op == "call_function" and u.target is hop for u in node.users)
+        if not called or keep_calls:
+            seen.add(node.target)  # a kept body is shared by its calls: inside it once
+            calls, inner = inline_regions(body)
+            count, bodies = count + calls, bodies | inner
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+    kept = [n for n in calls if keep_calls and _tensors_only(n)]
+    for call in kept:
+        bodies.add(call.args[1])
+    count += len(kept)
+    origins = {}  # body -> the module stack of the call dynamo traced it at (its first)
     while True:
-        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop and n not in kept]
         if not calls:
             break
         for call in calls:
             bodies.add(call.args[1])  # the identifier dynamo gave the body
             attrs.add(call.args[0].target)
-            _inline(gm, call)
-            inlined += 1
-    if inlined:
+            origin = origins.setdefault(call.args[0].target, call.meta.get("nn_module_stack"))
+            copies = inline_call(gm, call, getattr(gm, call.args[0].target), call.args[2:])
+            relocate_module_stacks(copies, origin, call.meta.get("nn_module_stack"))
+            count += 1
+    if count > len(kept):
         for node in list(gm.graph.nodes):
             if node.op == "get_attr" and not node.users:
                 gm.graph.erase_node(node)
@@ -182,16 +198,27 @@ def inline_regions(gm: fx.GraphModule) -> tuple[int, set[str]]:
         for name in attrs - read:  # the inlined bodies (a body's own bodies are its graph's to keep)
             delattr(gm, name)
         gm.recompile()
-    return inlined, bodies
+    return count, bodies
 
 
-def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
-    body = getattr(gm, call.args[0].target)
-    operands = call.args[2:]
+def _tensors_only(call: fx.Node) -> bool:
+    """A call whose operands and body outputs are all tensors (dynamo's example values say)."""
+    if call.kwargs or not all(isinstance(a, fx.Node) and _is_tensor(a) for a in call.args[2:]):
+        return False
+    return all(u.op == "call_function" and u.target is operator.getitem and _is_tensor(u) for u in call.users)
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), torch.Tensor)
+
+
+def inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, operands) -> list[fx.Node]:
+    """Replaces ``call`` (read item by item) by a copy of ``body``'s nodes, its inputs bound to
+    ``operands``; returns the copies."""
     env: dict[fx.Node, object] = {}
     inputs = [n for n in body.graph.nodes if n.op == "placeholder"]
     if len(inputs) != len(operands) or call.kwargs:
-        raise NotImplementedError(f"invoke_subgraph call {call.name!r} passes {len(operands)} operands to a body of "
+        raise NotImplementedError(f"region call {call.name!r} passes {len(operands)} operands to a body of "
                                   f"{len(inputs)} inputs; graphshard inlines calls whose operands are the body's inputs")
     env.update(zip(inputs, operands))
     outputs = ()
@@ -210,11 +237,35 @@ def _inline(gm: fx.GraphModule, call: fx.Node) -> None:
                for o in (outputs if isinstance(outputs, (tuple, list)) else [outputs])]
     for user in list(call.users):
         if not (user.op == "call_function" and user.target is operator.getitem):
-            raise NotImplementedError(f"invoke_subgraph call {call.name!r} is read by {user.name!r} other than by "
+            raise NotImplementedError(f"region call {call.name!r} is read by {user.name!r} other than by "
                                       "index; graphshard inlines calls read item by item")
         user.replace_all_uses_with(results[user.args[1]])
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
+    return [v for k, v in env.items() if k.op != "placeholder"]
+
+
+def relocate_module_stacks(copies: list[fx.Node], origin: dict | None, call: dict | None) -> None:
+    """Points the module stacks (``nn_module_stack``) of a body's copies at the block of their call:
+    the body records the block dynamo traced it in (``origin``, that call's stack), and a flat trace
+    would name each block's own modules (``layers.2.attn``, not ``layers.0.attn``). The stacks
+    name what ``explain`` and the checkpoint-region numbering (`tag_recomputation`) read."""
+    if not origin or not call or origin == call or len(origin) != len(call):
+        return
+    swap = dict(zip(origin, call.items()))  # the call site's entries, one for one
+    (_, (old, _)), (_, (new, _)) = list(origin.items())[-1], list(call.items())[-1]
+    for node in copies:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        moved = {}
+        for key, (path, cls) in stack.items():
+            if key in swap:
+                key, (path, cls) = swap[key]
+            elif path.startswith(old) and path[len(old):len(old) + 1] in (".", "["):
+                path = new + path[len(old):]
+            moved[key] = (path, cls)
+        node.meta["nn_module_stack"] = moved
 
 
 def _copy_attr(gm: fx.GraphModule, body: fx.GraphModule, target: str) -> str:
