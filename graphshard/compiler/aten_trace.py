@@ -51,14 +51,23 @@ def trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> tuple[fx.GraphM
     with fake_mode, region_outputs(bodies.outputs):
         traced = _compat.make_fx(_StackTraces(gm, bodies).run, tracing_mode="real")(*fake_inputs)
     if bodies.traces:
-        traced = bodies.expand(traced)
-    for node in reversed(traced.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users:
-            traced.graph.erase_node(node)
-        else:
-            node.meta[TRACED] = True
-    traced.recompile()
+        traced = bodies.expand(traced)  # a new module, its code generated once, the detaches dropped
+    else:
+        _drop_detaches(traced.graph)
+        traced.recompile()
+    for node in traced.graph.nodes:
+        node.meta[TRACED] = True
     return traced, len(bodies.traces)
+
+
+def _drop_detaches(graph: fx.Graph) -> None:
+    for node in reversed(graph.nodes):
+        if _unread_detach(node):
+            graph.erase_node(node)
+
+
+def _unread_detach(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is torch.ops.aten.detach.default and not node.users
 
 
 class _StackTraces(fx.Interpreter):
@@ -169,7 +178,8 @@ def _flat(value) -> list:
 
 def _renamed(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm``'s graph rebuilt in order with the names ``make_fx`` gives (an op's overload packet,
-    numbered): a body's copies took their names from the body."""
+    numbered): a body's copies took their names from the body. The detaches nothing reads are
+    dropped after they took their names, as the flat trace drops them."""
     graph = fx.Graph(owning_module=gm)
     env: dict[fx.Node, fx.Node] = {}
     for node in gm.graph.nodes:
@@ -180,6 +190,8 @@ def _renamed(gm: fx.GraphModule) -> fx.GraphModule:
                                     name=packet.__name__ if packet is not None else None, type_expr=node.type)
             new.meta = dict(node.meta)
             env[node] = new
+            if _unread_detach(node):
+                graph.erase_node(new)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
     return fx.GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -311,9 +311,8 @@ def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], m
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {ph: i for i, ph in enumerate(placeholders)}
     keys = _ParamKeys(models)
-    for marker in gm.graph.nodes:
-        if not (_is_marker(marker) and is_traced_key(marker.args[1])):
-            continue
+    traced = [n for n in gm.graph.nodes if _is_marker(n) and is_traced_key(n.args[1])]
+    for marker in traced:
         source = marker.args[0]
         while source.op == "call_function" and getattr(source.target, "is_view", False):
             source = source.args[0]
@@ -326,7 +325,8 @@ def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], m
                 "through a sharded module's parameter attribute"
             )
         marker.update_arg(1, keys.of(marker.args[1], value, marker, names[index[source]]))
-    gm.recompile()
+    if traced:
+        gm.recompile()
 
 
 class _ParamKeys:
