@@ -229,8 +229,9 @@ def inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, operand
             if node.op == "output":
                 outputs = node.args[0]
                 break
-            if node.op == "get_attr":
+            if node.op == "get_attr":  # its value and meta (a constant's fake value: outline's key reads it)
                 env[node] = gm.graph.get_attr(_copy_attr(gm, body, node.target))
+                env[node].meta = copy.copy(node.meta)
                 continue
             env[node] = gm.graph.node_copy(node, lambda n: env[n])
     results = [env[o] if isinstance(o, fx.Node) else o
@@ -277,6 +278,8 @@ def _copy_attr(gm: fx.GraphModule, body: fx.GraphModule, target: str) -> str:
         gm.add_submodule(name, copy.deepcopy(value))  # them (the boundary pass rewrites bodies in place)
     elif isinstance(value, nn.Module):
         gm.add_submodule(name, value)
+    elif isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        gm.register_buffer(name, value, persistent=False)  # a traced constant, as make_fx keeps one
     else:
         setattr(gm, name, value)
     return name
