@@ -81,9 +81,10 @@ class _StackTraces(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, bodies: _Bodies | None):
         super().__init__(gm)
         self.bodies = bodies
+        self.stack: dict | None = None  # the module stack of the node being run
 
     def run_node(self, n: fx.Node):
-        self.stack = n.meta.get("nn_module_stack")  # a region call's, for its copy (`_Bodies.call`)
+        self.stack = n.meta.get("nn_module_stack")  # a region call's is its copy's (`_Bodies.call`)
         graph, trace = _compat.proxy_trace_graph(), n.meta.get("stack_trace")
         if graph is None or not trace:
             return super().run_node(n)

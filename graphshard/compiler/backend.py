@@ -313,9 +313,7 @@ def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], m
     keys = _ParamKeys(models)
     traced = [n for n in gm.graph.nodes if _is_marker(n) and is_traced_key(n.args[1])]
     for marker in traced:
-        source = marker.args[0]
-        while source.op == "call_function" and getattr(source.target, "is_view", False):
-            source = source.args[0]
+        source = outline.view_base(marker.args[0])
         value = example_inputs[index[source]] if source in index else None
         if not isinstance(value, DTensor):
             raise ValueError(
@@ -390,11 +388,8 @@ def _input_units(gm: fx.GraphModule, markers: list[fx.Node], params: dict) -> li
     parameters it holds (a flat unit's parameter, which the markers read through views);
     None for data."""
     units = {}
-    for n in markers:
-        source = n.args[0]
-        while source.op == "call_function" and getattr(source.target, "is_view", False):
-            source = source.args[0]  # a flat parameter's view (slice, view) back to the input
-        units[source] = params[n.args[1]].layout.unit
+    for n in markers:  # a flat parameter's view (slice, view) back to the input
+        units[outline.view_base(n.args[0])] = params[n.args[1]].layout.unit
     return [units.get(n) for n in gm.graph.nodes if n.op == "placeholder"]
 
 

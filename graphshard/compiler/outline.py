@@ -306,7 +306,7 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
                       "graphshard_unit" in (node.meta.get("custom") or {})))
     parts.append(tuple(index[o] for o in seg.outputs))
     for out in seg.outputs:
-        if not isinstance(out.meta.get("val"), torch.Tensor) or _base_of(out) in inputs:
+        if not isinstance(out.meta.get("val"), torch.Tensor) or view_base(out) in inputs:
             return None  # invoke_subgraph returns fresh tensors only
     return hashlib.sha256(repr(parts).encode()).hexdigest()
 
@@ -336,7 +336,7 @@ def _layout_fact(p) -> tuple:
             repr(p.model_parallel), p.reshard_after_forward, repr(p.slot), repr(p.layout.placements))
 
 
-def _base_of(node: fx.Node) -> fx.Node:
+def view_base(node: fx.Node) -> fx.Node:
     """The value ``node`` is a view of (through a chain of views), or ``node`` itself."""
     while isinstance(node.target, torch._ops.OpOverload) and node.target.is_view:
         node = node.args[0]
@@ -354,7 +354,7 @@ def _mutates_input(node: fx.Node, inputs: set[fx.Node]) -> bool:
             continue
         value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
         written = value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(w, fx.Node) and _base_of(w) in inputs for w in written):
+        if any(isinstance(w, fx.Node) and view_base(w) in inputs for w in written):
             return True
     return False
 
