@@ -223,33 +223,40 @@ def _distribute(p: torch.Tensor, info: ShardedParam, plan: Plan) -> DTensor:
 
 
 class _BoundIO:
-    """A module's declared activation layouts, applied as ``graphshard::layout`` nodes."""
+    """A module's declared activation layouts, applied as ``graphshard::layout`` nodes.
+
+    Traced, a node names its place without the module (``m<id>/?:in0``, `sharding.traced_key`), as
+    the parameter markers do: every repeated block reads the same values here, so dynamo reuses
+    one block's trace for all of them. The backend names the module again from the node's module
+    stack (`backend._resolve_traced_layouts`)."""
 
     def __init__(self, fqn: str, axis: str, io: ModuleIO):
         self.fqn, self.axis, self.io = fqn, axis, io
+        self.traced = sharding.traced_key(fqn)
 
-    def _apply(self, x, steps, where: str):
+    def _apply(self, x, steps, place: str):
         if not isinstance(x, torch.Tensor):
             return x
+        where = f"{self.traced if torch.compiler.is_compiling() else self.fqn}:{place}"
         for p in steps:
             x = ops.layout(x, where, self.axis, placement_str(p), self.io.use_local_output)
         return x
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args = tuple(self._apply(a, layout_steps(self.io.inputs, i), f"{self.fqn}:in{i}") for i, a in enumerate(args))
+        args = tuple(self._apply(a, layout_steps(self.io.inputs, i), f"in{i}") for i, a in enumerate(args))
         if self.io.kwarg_inputs:
             kwargs = dict(kwargs)
             for name, layout in self.io.kwarg_inputs:
                 if name in kwargs:
-                    kwargs[name] = self._apply(kwargs[name], layout.steps(), f"{self.fqn}:in[{name}]")
+                    kwargs[name] = self._apply(kwargs[name], layout.steps(), f"in[{name}]")
         return args, kwargs
 
     def outputs(self, out):
         outs = self.io.outputs
         if isinstance(out, torch.Tensor):
-            return self._apply(out, layout_steps(outs, 0), f"{self.fqn}:out0")
+            return self._apply(out, layout_steps(outs, 0), "out0")
         if isinstance(out, (tuple, list)) and outs:
-            return type(out)(self._apply(o, layout_steps(outs, i), f"{self.fqn}:out{i}") for i, o in enumerate(out))
+            return type(out)(self._apply(o, layout_steps(outs, i), f"out{i}") for i, o in enumerate(out))
         return out
 
 

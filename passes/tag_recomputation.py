@@ -110,10 +110,12 @@ def _number_regions(gm: fx.GraphModule, gathered: set[fx.Node]) -> int:
 
 def module_of(node: fx.Node) -> str | None:
     """The FQN of the innermost module ``node`` was traced in (from dynamo's ``nn_module_stack``)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    return _fqn(list(stack.values())[-1][0])
+    return innermost_module(node.meta.get("nn_module_stack"))
+
+
+def innermost_module(stack: dict | None) -> str | None:
+    """The FQN of a module stack's (``nn_module_stack``'s) innermost module; None for no stack."""
+    return _fqn(list(stack.values())[-1][0]) if stack else None
 
 
 def _fqn(path: str) -> str:

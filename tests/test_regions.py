@@ -128,16 +128,43 @@ subgraph_0 subgraph_0(13 operands)""")
         plan = graphshard.Plan(fsdp_plan().mesh, {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()},
                                checkpoint={"layers.*": graphshard.Checkpoint()})
         _, notes = sharded(seeded(Transformer, DEEP), plan, mark=True)
-        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (graphshard wraps its forward (declared layouts "
-                                 "or a plan's Checkpoint))"])
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (graphshard wraps its forward (a plan's "
+                                 "Checkpoint, or the root))"])
+
+    def test_tensor_parallel_blocks_get_the_flat_trace(self):
+        # FSDP + TP: the declared layouts inside each block are traced without their module, so
+        # dynamo shares one body; the trace to ATen names each copy's layouts after its own block
+        self._tensor_parallel_blocks(two_d=True)
+
+    def test_tensor_parallel_alone_marks_the_blocks(self):
+        # no data-parallel units: the blocks of the ModuleList are the units marked
+        self._tensor_parallel_blocks(two_d=False)
+
+    def _tensor_parallel_blocks(self, two_d: bool):
         from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
 
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        plan = graphshard.Plan(mesh, {"layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w2": RowwiseParallel(),
-                                      "layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
-        _, notes = sharded(seeded(Transformer, DEEP), plan, mark=True)
-        self.assertEqual(notes, ["layers.0 x4: dynamo traces each (modules inside it declare layouts (tensor "
-                                 "parallelism), whose markers name the module)"])
+        x, _ = token_batch(0, 2, 8, 32)
+        mesh = init_device_mesh("cpu", (2, 2) if two_d else (4,), mesh_dim_names=("dp", "tp") if two_d else ("tp",))
+
+        def plan():
+            fsdp = {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()} if two_d else {}
+            return graphshard.Plan(mesh, {"layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w2": RowwiseParallel(),
+                                          **fsdp})
+
+        flat, flat_ctx = traced(sharded(seeded(Transformer, DEEP), plan(), mark=False)[0], plan(), x)
+        model, notes = sharded(seeded(Transformer, DEEP), plan(), mark=True)
+        self.assertEqual(notes, ["layers.0 x4: dynamo traces one and reuses its trace where its guards hold"])
+        gm, _ = capture_dynamo(model, x)
+        body = gm.get_submodule("subgraph_0")
+        places = [n.args[1] for n in body.graph.nodes if n.op == "call_function" and "graphshard.layout" in str(n.target)]
+        self.assertEqual(set(places), {f"m{model._graphshard.model_id}/?:{p}" for p in ("in0", "out0")})
+        marked, ctx = traced(model, plan(), x)
+        self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1, 1))
+        self.assertEqual(_without_model_id(marked), _without_model_id(flat))
+        layouts = [n.args[1].split("/", 1)[1] for n in ctx.graph.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.graphshard.layout.default]
+        self.assertEqual(layouts, [f"layers.{i}.ffn.{w}:{p}" for i in range(4)
+                                   for w, p in (("w1", "in0"), ("w1", "out0"), ("w2", "in0"), ("w2", "out0"))])
 
     def test_the_users_class_is_left_alone(self):
         model, _ = sharded(seeded(Transformer, DEEP), fsdp_plan(), mark=True)

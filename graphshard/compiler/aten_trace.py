@@ -31,8 +31,11 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.compiler import regions
+from graphshard.ops import ops
 from graphshard.ops.region import region_outputs
 from graphshard.passes.context import TRACED
+from graphshard.passes.tag_recomputation import innermost_module
+from graphshard.sharding import is_traced_key
 
 
 def trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> tuple[fx.GraphModule, int]:
@@ -99,7 +102,33 @@ class _StackTraces(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if self.bodies is not None and _compat.HAS_INVOKE_SUBGRAPH and target is _compat.invoke_subgraph_op():
             return self.bodies.call(args[0], args[2:], self.stack)
+        if target in _LAYOUT and is_traced_key(args[1].rpartition(":")[0]):
+            args = (args[0], _layout_name(args[1], self.stack), *args[2:])
         return super().call_function(target, args, kwargs)
+
+
+_LAYOUT = (ops.layout, ops.layout.default)
+
+
+def _layout_name(where: str, stack: dict | None) -> str:
+    """A declared layout's place traced without its module (``m<id>/?:in0``, `storage._BoundIO`) with
+    the module named again: the innermost module of the node's module stack (the root has none)."""
+    traced, _, place = where.rpartition(":")
+    return f"{traced.partition('/')[0]}/{innermost_module(stack) or ''}:{place}"
+
+
+def _relocate_layout_names(copies: list[fx.Node], origin: dict | None, call: dict | None) -> None:
+    """Points the declared layouts of a body's copy at the block of its call, as
+    `regions.relocate_module_stacks` does the module stacks: the body named the block it was
+    traced in."""
+    old, new = innermost_module(origin), innermost_module(call)
+    if old is None or new is None or old == new:
+        return
+    for node in copies:
+        if node.op == "call_function" and node.target in _LAYOUT:
+            head, _, rest = node.args[1].partition("/")
+            if rest == old or rest.startswith((f"{old}.", f"{old}:")):
+                node.update_arg(1, f"{head}/{new}{rest[len(old):]}")
 
 
 class _Bodies:
@@ -150,6 +179,7 @@ class _Bodies:
             copies = regions.inline_call(gm, node, self.traces[node.args[0]][0], node.args[1])
             _own_checkpoint_regions(copies, fresh)
             regions.relocate_module_stacks(copies, self.origins[node.args[0]], stack)
+            _relocate_layout_names(copies, self.origins[node.args[0]], stack)
         return _renamed(gm)
 
 

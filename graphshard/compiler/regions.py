@@ -14,10 +14,12 @@ passes, the scheduler and ``outline`` (which differentiates a unit's body once) 
 flat trace gives. The backend puts each marker's key back from the DTensor it reads
 (`backend._resolve_traced_keys`).
 
-A unit is not marked when graphshard wraps its forward (declared layouts, a plan's
-`Checkpoint`, the root), when modules inside it declare layouts (tensor parallelism: a layout
-marker names its module, so no other block would pass the body's guards), when its parameters
-live in a flat parameter (the marker there reads the unit's slot, which names the block), or
+A plan without data-parallel units (tensor parallelism alone) marks the children of a
+``ModuleList`` that declare layouts or hold tensor-parallel parameters. A declared layout is traced
+without its module too (`storage._BoundIO`); the
+trace to ATen names it again from its module stack (`aten_trace`). A unit is not marked when
+graphshard wraps its forward with more than its layouts (a plan's `Checkpoint`, the root), when
+its parameters live in a flat parameter (the marker there reads the unit's slot, which names the block), or
 when the user marked its forward already. Dynamo cannot capture every block as a region (a block that
 keeps a view of its input for later, as some HF attention layers do, is refused): when it fails on
 a marked model's first call, graphshard unmarks the units and traces the call again, flat, and
@@ -42,7 +44,7 @@ from graphshard.sharding import ShardedModel
 
 log = logging.getLogger("graphshard")
 
-_WRAPPED = ("_graphshard_io", "_graphshard_checkpoint", "_graphshard_root")
+_WRAPPED = ("_graphshard_checkpoint", "_graphshard_root")  # declared layouts are traced without the module
 _region_classes: dict[tuple[type, int], type] = {}
 
 
@@ -75,12 +77,7 @@ def mark_repeated_units(root: nn.Module, state: ShardedModel) -> RegionMarks:
         marks.lines.append(f"dynamo traces every block: torch {torch.__version__} has no nested_compile_region "
                            "reuse (2.13)")
         return marks
-    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
-    for fqn in state.units:
-        if fqn:
-            mod = root.get_submodule(fqn)
-            by_class.setdefault(type(mod), []).append((fqn, mod))
-    for cls, units in by_class.items():
+    for cls, units in _repeated(root, state).items():
         if len(units) < 2:
             continue
         reason = _unmarkable(cls, units, state)
@@ -95,6 +92,34 @@ def mark_repeated_units(root: nn.Module, state: ShardedModel) -> RegionMarks:
             marks.marked.append(mod)
         marks.lines.append(f"{first} x{len(units)}: dynamo traces one and reuses its trace where its guards hold")
     return marks
+
+
+def _repeated(root: nn.Module, state: ShardedModel) -> dict[type, list[tuple[str, nn.Module]]]:
+    """The units of ``root`` by class. A plan without data-parallel units (tensor parallelism alone)
+    has none; its units here are then the children of a ``ModuleList`` that declare layouts or hold
+    parameters sharded over a model-parallel axis (a model's blocks), as torch's regional
+    compilation takes them, outermost lists only."""
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for fqn in state.units:
+        if fqn:
+            mod = root.get_submodule(fqn)
+            by_class.setdefault(type(mod), []).append((fqn, mod))
+    if state.units:
+        return by_class
+    lists = [(fqn, mod) for fqn, mod in root.named_modules() if isinstance(mod, nn.ModuleList)]
+    for fqn, mod in lists:
+        if any(fqn.startswith(f"{outer}.") for outer, blocks in lists if len(blocks) > 1):
+            continue  # inside a block of an outer list (an MoE layer's experts): the block is the unit
+        for name, child in mod.named_children():
+            if any(_tensor_parallel(m, state) for m in child.modules()):
+                by_class.setdefault(type(child), []).append((f"{fqn}.{name}" if fqn else name, child))
+    return by_class
+
+
+def _tensor_parallel(mod: nn.Module, state: ShardedModel) -> bool:
+    """Whether ``mod`` declares layouts or holds a parameter sharded over a model-parallel axis."""
+    markers = mod.__dict__.get("_graphshard_markers", {})
+    return "_graphshard_io" in mod.__dict__ or any(state.params[key].model_parallel for key, _ in markers.values())
 
 
 def retrying_unmarked(marks: RegionMarks, compiled_graphs: Callable[[], int]):
@@ -130,12 +155,8 @@ def _unmarkable(cls: type, units: list[tuple[str, nn.Module]], state: ShardedMod
     for fqn, mod in units:
         if fqn in state.flat:
             return "its parameters live in a flat parameter"
-        wrapped = [k for k in _WRAPPED if k in mod.__dict__]
-        if wrapped:
-            return "graphshard wraps its forward (declared layouts or a plan's Checkpoint)"
-        if any("_graphshard_io" in m.__dict__ for m in mod.modules()):
-            # a layout marker names its module, so every block would fail the body's guards
-            return "modules inside it declare layouts (tensor parallelism), whose markers name the module"
+        if any(k in mod.__dict__ for k in _WRAPPED):
+            return "graphshard wraps its forward (a plan's Checkpoint, or the root)"
     return None
 
 
