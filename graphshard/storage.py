@@ -227,8 +227,8 @@ class _BoundIO:
 
     Traced, a node names its place without the module (``m<id>/?:in0``, `sharding.traced_key`), as
     the parameter markers do: every repeated block reads the same values here, so dynamo reuses
-    one block's trace for all of them. The backend names the module again from the node's module
-    stack (`backend._resolve_traced_layouts`)."""
+    one block's trace for all of them. The trace to ATen names the module again from the node's
+    module stack (`aten_trace._name_layouts`)."""
 
     def __init__(self, fqn: str, axis: str, io: ModuleIO):
         self.fqn, self.axis, self.io = fqn, axis, io

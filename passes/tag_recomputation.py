@@ -119,8 +119,9 @@ def innermost_module(stack: dict | None) -> str | None:
 
 
 def _fqn(path: str) -> str:
-    """dynamo's module path (``L['self'].layers[0].attn``, ``L['self']._modules['layers']``) as an FQN."""
-    path = re.sub(r"^L\['self'\]\.?", "", path)
+    """dynamo's module path (``L['self'].layers[0].attn``, ``L['self']._modules['layers']``, inside a
+    checkpoint's body ``...layers[0].__dict__['_modules']['_checkpoint_wrapped_module']``) as an FQN."""
+    path = re.sub(r"^L\['self'\]\.?", "", path).replace(".__dict__['_modules']", "._modules")
     path = re.sub(r"\._modules\['([^']+)'\]", r".\1", "." + path).lstrip(".")
     return re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
 

@@ -140,30 +140,43 @@ subgraph_0 subgraph_0(13 operands)""")
         # no data-parallel units: the blocks of the ModuleList are the units marked
         self._tensor_parallel_blocks(two_d=False)
 
-    def _tensor_parallel_blocks(self, two_d: bool):
+    def test_checkpointed_tensor_parallel_blocks_name_their_layouts(self):
+        # torch's apply_activation_checkpointing: the layouts sit in a checkpoint's body, which
+        # its own operator traces to ATen; they are named before the trace
+        self._tensor_parallel_blocks(two_d=True, checkpoint=True)
+
+    def _tensor_parallel_blocks(self, two_d: bool, checkpoint: bool = False):
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
         from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
 
         x, _ = token_batch(0, 2, 8, 32)
         mesh = init_device_mesh("cpu", (2, 2) if two_d else (4,), mesh_dim_names=("dp", "tp") if two_d else ("tp",))
+        ffn = "_checkpoint_wrapped_module.ffn" if checkpoint else "ffn"
 
         def plan():
             fsdp = {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()} if two_d else {}
-            return graphshard.Plan(mesh, {"layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w2": RowwiseParallel(),
-                                          **fsdp})
+            return graphshard.Plan(mesh, {f"layers.*.{ffn}.w1": ColwiseParallel(),
+                                          f"layers.*.{ffn}.w2": RowwiseParallel(), **fsdp})
 
-        flat, flat_ctx = traced(sharded(seeded(Transformer, DEEP), plan(), mark=False)[0], plan(), x)
-        model, notes = sharded(seeded(Transformer, DEEP), plan(), mark=True)
+        def model():
+            m = seeded(Transformer, DEEP)
+            if checkpoint:
+                apply_activation_checkpointing(m, check_fn=lambda mod: isinstance(mod, Block))
+            return m
+
+        flat, flat_ctx = traced(sharded(model(), plan(), mark=False)[0], plan(), x)
+        model, notes = sharded(model(), plan(), mark=True)
         self.assertEqual(notes, ["layers.0 x4: dynamo traces one and reuses its trace where its guards hold"])
         gm, _ = capture_dynamo(model, x)
-        body = gm.get_submodule("subgraph_0")
-        places = [n.args[1] for n in body.graph.nodes if n.op == "call_function" and "graphshard.layout" in str(n.target)]
+        places = [n.args[1] for g in gm.get_submodule("subgraph_0").modules() if isinstance(g, torch.fx.GraphModule)
+                  for n in g.graph.nodes if n.op == "call_function" and "graphshard.layout" in str(n.target)]
         self.assertEqual(set(places), {f"m{model._graphshard.model_id}/?:{p}" for p in ("in0", "out0")})
         marked, ctx = traced(model, plan(), x)
         self.assertEqual(ctx.ctx.report.dynamo_bodies, (4, 1, 1))
         self.assertEqual(_without_model_id(marked), _without_model_id(flat))
         layouts = [n.args[1].split("/", 1)[1] for n in ctx.graph.graph.nodes
                    if n.op == "call_function" and n.target is torch.ops.graphshard.layout.default]
-        self.assertEqual(layouts, [f"layers.{i}.ffn.{w}:{p}" for i in range(4)
+        self.assertEqual(layouts, [f"layers.{i}.{ffn}.{w}:{p}" for i in range(4)
                                    for w, p in (("w1", "in0"), ("w1", "out0"), ("w2", "in0"), ("w2", "out0"))])
 
     def test_the_users_class_is_left_alone(self):

@@ -16,6 +16,9 @@ model. When dynamo hands over a repeated block as one body called once per block
   the nodes are renamed in order as ``make_fx`` names them, so the result is the flat trace's
   graph node for node, which ``tests/test_regions.py`` checks.
 
+A declared layout traced without its module (``m<id>/?:in0``) is named from its module stack
+before the trace, and each copy after its own block (`_name_layouts`).
+
 A copy's nodes share the traced body's node meta (the fake values among it); nothing in the
 passes keys on a fake value's identity. The markers in a body carry their model's key
 (`sharding.traced_key`); the backend puts each copy's parameter key back afterwards, from the
@@ -50,6 +53,7 @@ def trace_to_aten(gm: fx.GraphModule, fake_inputs, fake_mode) -> tuple[fx.GraphM
     keeps the stack trace of the dynamo node it came from, and no other node meta (`_StackTraces`).
     The ``invoke_subgraph`` calls left in ``gm`` (`regions.inline_regions` with ``keep_calls``)
     trace their body once per distinct operand metadata (the module docstring)."""
+    _name_layouts(gm)
     bodies = _Bodies()
     with fake_mode, region_outputs(bodies.outputs):
         traced = _compat.make_fx(_StackTraces(gm, bodies).run, tracing_mode="real")(*fake_inputs)
@@ -102,19 +106,30 @@ class _StackTraces(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if self.bodies is not None and _compat.HAS_INVOKE_SUBGRAPH and target is _compat.invoke_subgraph_op():
             return self.bodies.call(args[0], args[2:], self.stack)
-        if target in _LAYOUT and is_traced_key(args[1].rpartition(":")[0]):
-            args = (args[0], _layout_name(args[1], self.stack), *args[2:])
         return super().call_function(target, args, kwargs)
 
 
 _LAYOUT = (ops.layout, ops.layout.default)
 
 
-def _layout_name(where: str, stack: dict | None) -> str:
-    """A declared layout's place traced without its module (``m<id>/?:in0``, `storage._BoundIO`) with
-    the module named again: the innermost module of the node's module stack (the root has none)."""
-    traced, _, place = where.rpartition(":")
-    return f"{traced.partition('/')[0]}/{innermost_module(stack) or ''}:{place}"
+def _name_layouts(gm: fx.GraphModule) -> None:
+    """Names in each declared layout traced without its module (``m<id>/?:in0``, `storage._BoundIO`)
+    the module again: the innermost module of the node's module stack (the root has none), in
+    ``gm`` and the bodies of its higher-order calls (a checkpoint's body is traced by its own
+    operator, not by `_StackTraces`). A shared body names the block dynamo traced it in; its copies
+    are pointed at their own blocks when they are inlined (`_relocate_layout_names`)."""
+    for g in gm.modules():
+        if not isinstance(g, fx.GraphModule):
+            continue
+        named = False
+        for node in g.graph.nodes:
+            if node.op == "call_function" and node.target in _LAYOUT and is_traced_key(node.args[1].rpartition(":")[0]):
+                traced, _, place = node.args[1].rpartition(":")
+                module = innermost_module(node.meta.get("nn_module_stack")) or ""
+                node.update_arg(1, f"{traced.partition('/')[0]}/{module}:{place}")
+                named = True
+        if named:
+            g.recompile()
 
 
 def _relocate_layout_names(copies: list[fx.Node], origin: dict | None, call: dict | None) -> None:
