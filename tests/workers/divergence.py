@@ -102,7 +102,9 @@ def run(case: str) -> dict:
     store = dist.distributed_c10d._get_default_store()
     store.set(f"divergence/{case}/{rank}", error)
     errors = [store.get(f"divergence/{case}/{r}").decode() for r in range(dist.get_world_size())]
-    explain = "" if error else graphshard.explain(model)
+    # rank 0's report only: explain also prints, and another rank's print could split the RESULT line
+    # rank 0 prints (over 4 KiB, not one atomic write to the shared pipe), losing the case's result
+    explain = "" if error or rank != 0 else graphshard.explain(model)
     return {"case": case, "errors": errors, "seconds": seconds, "explain": explain}
 
 
