@@ -33,8 +33,10 @@ def parse(argv=None):
     p.add_argument("--pooling", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--loop", choices=["pipeline", "plain"], default="pipeline",
-                   help="pipeline: TorchRec's training loop (DLRMTrain, CombinedOptimizer, TrainPipelineSparseDist); "
+    p.add_argument("--loop", choices=["pipeline", "torchrec_pipeline", "plain"], default="pipeline",
+                   help="pipeline: TorchRec's training loop (DLRMTrain, CombinedOptimizer, TrainPipelineSparseDist: "
+                        "each DMP's own, TorchRec's for TorchRec's, graphshard.model_parallel's for graphshard's); "
+                        "torchrec_pipeline: the same with TorchRec's pipeline class for both; "
                         "plain: forward, backward, step by hand")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -55,7 +57,7 @@ def build(args, world):
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[128, DIM],
                  over_arch_layer_sizes=[128, 1])
-    if args.loop == "pipeline":  # TorchRec's training module: forward(Batch) -> (loss, (loss, logits, labels))
+    if args.loop != "plain":  # TorchRec's training module: forward(Batch) -> (loss, (loss, logits, labels))
         from torchrec.models.dlrm import DLRMTrain
 
         model = DLRMTrain(model)
@@ -73,7 +75,7 @@ def build(args, world):
 
 
 def _ebc_fqn(args) -> str:
-    return ("model." if args.loop == "pipeline" else "") + "sparse_arch.embedding_bag_collection"
+    return ("model." if args.loop != "plain" else "") + "sparse_arch.embedding_bag_collection"
 
 
 FUSED = None  # set in run(): the fused optimizer both DMPs and the planners see
@@ -106,7 +108,7 @@ def _auto(args, model, world):
 
     x, kjt, y = batches(args, dist.get_rank(), 1)[0]
     batch = (x, kjt)
-    if args.loop == "pipeline":  # DLRMTrain takes TorchRec's Batch
+    if args.loop != "plain":  # DLRMTrain takes TorchRec's Batch
         from torchrec.datasets.utils import Batch
 
         batch = (Batch(dense_features=x, sparse_features=kjt, labels=y),)
@@ -153,21 +155,21 @@ def batches(args, rank, n):
     return out
 
 
-def _pipeline_step(dmp, data):
+def _pipeline_step(dmp, data, pipeline_class):
     """TorchRec's loop: its ``Batch``, ``CombinedOptimizer`` over the fused tables and the dense part,
-    ``TrainPipelineSparseDist`` driving the model (each call of the step is one ``progress``)."""
+    ``TrainPipelineSparseDist`` (``pipeline_class``) driving the model (each call of the step is one
+    ``progress``)."""
     import itertools
 
     import torch
     from torchrec.datasets.utils import Batch
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=0.01))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
-    pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
+    pipeline = pipeline_class(dmp, optimizer, torch.device("cpu"))
     batches = itertools.cycle([Batch(dense_features=x, sparse_features=kjt, labels=y) for x, kjt, y in data])
 
     def step(i):
@@ -199,8 +201,12 @@ def run(args, ctx):
                                    sharders=[EmbeddingBagCollectionSharder(fused_params=fused)])
     setup_s = time.perf_counter() - t0
     data = batches(args, ctx.rank, 8)
-    if args.loop == "pipeline":
-        step = _pipeline_step(dmp, data)
+    if args.loop in ("pipeline", "torchrec_pipeline"):
+        from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+        if args.variant == "graphshard" and args.loop == "pipeline":
+            from graphshard.model_parallel import TrainPipelineSparseDist
+        step = _pipeline_step(dmp, data, TrainPipelineSparseDist)
     else:
         dense = torch.optim.SGD([p for _, p in dmp.named_parameters() if p.requires_grad], lr=0.01)
 

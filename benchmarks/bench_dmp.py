@@ -9,8 +9,10 @@ DLRM with 8 tables (dim 64, ``--rows`` rows, one feature each), batch 512 per ra
 tables under one sharding type per run (tw, rw, cw, dp), or the plan of graphshard's planner
 (planned) or of TorchRec's planner (trplanned), run by both DMPs; fused row-wise Adagrad (see
 ``_dmp_worker.py``). By default each DMP runs TorchRec's training loop: ``DLRMTrain``, a
-``CombinedOptimizer`` and TorchRec's ``TrainPipelineSparseDist`` (``--loop plain``: forward,
-backward and step by hand). For each repetition and sharding type the two DMPs run back to
+``CombinedOptimizer`` and its own ``TrainPipelineSparseDist`` (TorchRec's for TorchRec's DMP,
+``graphshard.model_parallel``'s for graphshard's, which exchanges the next batch's ids during a
+step as TorchRec's does; ``--loop torchrec_pipeline``: TorchRec's class for both;
+``--loop plain``: forward, backward and step by hand). For each repetition and sharding type the two DMPs run back to
 back, each its own ``torchrun``; ratios are medians over repetitions of same-repetition pairs.
 Targets (printed beside the ratio, never asserted): step time at most TorchRec's on the CPU
 (1.0x; the GPU's 0.8x needs a GPU run of the worker), bytes moved no more than TorchRec's.
@@ -45,8 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out-dir", default=os.path.join(C.REPO, "bench_out"))
     p.add_argument("--timeout", type=float, default=1200)
-    p.add_argument("--loop", choices=["pipeline", "plain"], default="pipeline",
+    p.add_argument("--loop", choices=["pipeline", "torchrec_pipeline", "plain"], default="pipeline",
                    help="pipeline (default): TorchRec's training loop through each DMP's TrainPipelineSparseDist; "
+                        "torchrec_pipeline: through TorchRec's class for both; "
                         "plain: forward, backward and step by hand")
     args = p.parse_args(argv)
     if args.quick:

@@ -261,6 +261,12 @@ def boxed_nop(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     return make_boxed_func(gm.forward)
 
 
+def maybe_mark_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Asks dynamo to trace ``t``'s dim ``dim`` as a symbol (without failing where it specializes):
+    a size that is the data's, so that every later batch runs the same program."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
+
+
 def dynamo_counters() -> dict[str, Any]:
     from torch._dynamo.utils import counters
 

@@ -7,7 +7,9 @@ each feature's rows out) is replaced by the collection's sharded program
 fbgemm's or graphshard's ``kjt_*`` ops; ``graphshard::all_to_all`` of lengths, then of ids with
 data-dependent sizes), the fused TBE lookup (``graphshard::tbe_lookup`` or
 ``graphshard::triton_tbe_lookup``), and the pooled output's distribution
-(``all_to_all`` or ``reduce_scatter``), as graph nodes. The program is traced in the graph's
+(``all_to_all`` or ``reduce_scatter``), as graph nodes. ``graphshard::embedding_bags_received``
+(the ids exchanged a batch ahead by a training pipeline, `graphshard.sparse.input_dist`) expands
+to the same program from the lookup on, reading what arrived. The program is traced in the graph's
 own fake mode, so data-dependent sizes become the graph's unbacked sizes; the TBE's layout
 tensors become constants of the graph module. Backward comes from autograd of the emitted
 ops; the TBE's backward applies the fused optimizer.
@@ -25,7 +27,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.passes.context import PassContext, log
-from graphshard.ops.sparse import lookup_args, ops as sparse_ops
+from graphshard.ops.sparse import lookup_args, ops as sparse_ops, received_args
 
 
 def shard_embeddings(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -51,15 +53,20 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
     state = lookup_args(last)[3]
     n_state, n_uses = len(state), len(nodes)
     keys = [list(lookup_args(n)[5]) for n in nodes]
+    received, groups = _received(nodes, coll, ctx)
 
     def program(*args):
         uses = [(args[3 * i], args[3 * i + 1], args[3 * i + 2], keys[i]) for i in range(n_uses)]
         rest = args[3 * n_uses:]
-        st, cs = rest[:n_state], rest[n_state:]
+        st, cs, rcv = rest[:n_state], rest[n_state:n_state + len(consts)], rest[n_state + len(consts):]
         constants: dict = {}
         for (tbe, name, _), c in zip(consts, cs):
             constants.setdefault(tbe, {})[name] = c
-        outs = coll.run_uses(uses, list(st), constants)
+        if received:
+            values, lengths, weights, use_keys = uses[0]
+            outs = [coll.run(values, lengths, weights, list(st), use_keys, constants, received=(groups, list(rcv)))]
+        else:
+            outs = coll.run_uses(uses, list(st), constants)
         return tuple(t for out in outs for t in (out if isinstance(out, (list, tuple)) else [out]))
 
     # traced with the grad facts of the real call (the TBE tokens and data-parallel tables need
@@ -69,7 +76,7 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
     with ctx.fake_mode:
         fake_state = [_val(a).detach().requires_grad_(g) for a, g in zip(state, grads)]
         fake = [*map(_val, use_inputs), *fake_state,
-                *(ctx.fake_mode.from_tensor(t, static_shapes=True) for _, _, t in consts)]
+                *(ctx.fake_mode.from_tensor(t, static_shapes=True) for _, _, t in consts), *map(_val, received)]
         with torch.enable_grad():
             sub = _compat.make_fx(program, tracing_mode="real")(*fake)
 
@@ -83,7 +90,7 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
             n.meta["val"] = ctx.fake_mode.from_tensor(t, static_shapes=True)
             const_nodes.append(n)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        for ph, a in zip(placeholders, [*use_inputs, *state, *const_nodes]):
+        for ph, a in zip(placeholders, [*use_inputs, *state, *const_nodes, *received]):
             env[ph] = a
         outs = None
         for n in sub.graph.nodes:
@@ -102,7 +109,7 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
             env[n] = new
     at = 0
     for node in nodes:
-        if node.target == sparse_ops.embedding_bags.default:
+        if node.target in (sparse_ops.embedding_bags.default, sparse_ops.embedding_bags_received.default):
             node.replace_all_uses_with(outs[at])
             at += 1
         else:  # a list of tensors: its users are getitem nodes
@@ -114,10 +121,27 @@ def _expand(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
                 g.erase_node(user)
             at += count
         g.erase_node(node)
-    ctx.report.sparse.append(_describe(coll, n_uses))
+    ctx.report.sparse.append(_describe(coll, n_uses) + (f", ids exchanged a batch ahead ({', '.join(groups)})"
+                                                        if received else ""))
     if coll.layout.kernel_note:  # a kernel other than the plan's: listed with the fallbacks
         ctx.report.fallbacks.append(coll.layout.kernel_note)
     log.info("shard_embeddings: %s", ctx.report.sparse[-1])
+
+
+def _received(nodes: list[fx.Node], coll, ctx: PassContext) -> tuple[list, list[str]]:
+    """The ids a pipeline exchanged a batch ahead for this lookup (their nodes and groups), or none.
+    A module looked up several times a step merges its uses into one exchange in the step, and
+    leaves what was exchanged ahead unused: a fallback, logged and listed."""
+    ahead = [r for r in map(received_args, nodes) if r is not None]
+    if not ahead:
+        return [], []
+    if len(nodes) == 1:
+        return ahead[0]
+    note = (f"{coll.layout.fqns[0]}: looked up {len(nodes)} times a step, so its ids are exchanged in the step "
+            "(one exchange for the merged uses); the ids the pipeline exchanged a batch ahead go unused")
+    ctx.report.fallbacks.append(note)
+    log.warning("shard_embeddings: %s", note)
+    return [], []
 
 
 def _defer_users(nodes: list[fx.Node], coll) -> None:

@@ -40,6 +40,7 @@ from graphshard.compiler.backend import prepare  # noqa: E402
 from graphshard.config import CompileConfig  # noqa: E402
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes  # noqa: E402
+from graphshard.sparse.input_dist import attach  # noqa: E402
 
 FUSED = "fused"
 
@@ -69,7 +70,9 @@ def _kjt(features, batch=2):
     return KeyedJaggedTensor(keys=features, values=torch.arange(int(lengths.sum())) % 8, lengths=lengths)
 
 
-def after_pass(tables, sharding, upto="shard_embeddings"):
+def after_pass(tables, sharding, upto="shard_embeddings", ahead=None):
+    """The graph after ``upto``. ``ahead``: ``(groups, tensors)`` attached to the KJT as a training
+    pipeline attaches the ids it exchanged a batch ahead (`graphshard.sparse.input_dist`)."""
     torch.manual_seed(0)
     sequence = isinstance(tables[0], EmbeddingConfig)
     model = (Sequence if sequence else Sparse)(tables)
@@ -83,8 +86,11 @@ def after_pass(tables, sharding, upto="shard_embeddings"):
     graphshard.shard(dmp.module, gs_plan)
     dmp.module._graphshard.collections.extend(dmp._collections)  # as DMP's init_data_parallel records them
     features = [f for t in tables for f in t.feature_names]
+    kjt = _kjt(features)
+    if ahead is not None:
+        attach(kjt, dmp._collections[0].layout.key, *ahead)
     with _compat.trace_data_dependent_outputs():
-        gm, inputs = capture_dynamo(dmp.module, _kjt(features))
+        gm, inputs = capture_dynamo(dmp.module, kjt)
     prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (dmp.module._graphshard,))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
@@ -238,6 +244,30 @@ class <lambda>(torch.nn.Module):
         view_6: "i64[8]" = torch.ops.aten.view.default(view_5, [-1]);  view_5 = None
         asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_6);  view_6 = None
         tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_rw_weights_offsets, _sparse_rw_d_offsets, _sparse_rw_hash_size_cumsum, _sparse_rw_momentum_offsets, _sparse_rw_rows, all_to_all_1, asynchronous_complete_cumsum, None, 4, 4, 2, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')", [0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_rw_weights_offsets = _sparse_rw_d_offsets = _sparse_rw_hash_size_cumsum = _sparse_rw_momentum_offsets = _sparse_rw_rows = all_to_all_1 = asynchronous_complete_cumsum = None
+        reduce_scatter: "f32[2, 4]" = torch.ops.graphshard.reduce_scatter.default(tbe_lookup, 0, 'dp', 4, 0);  tbe_lookup = None
+        return (reduce_scatter,)
+""")
+
+    def test_row_wise_ids_exchanged_ahead(self):
+        # a pipeline exchanged the ids a batch ahead: the program starts at the lookup, reading
+        # what arrived (this rank's block's ids from the 4 ranks, feature-major); no check, no
+        # bucketize, no all-to-all of lengths or ids in the step
+        arrived = [torch.tensor([1, 0, 2, 0, 0, 1, 0, 0]), torch.tensor([1, 0, 1, 2])]
+        text, report = after_pass([T("a", ["f0"], rows=10)], {"a": row_wise(compute_kernel=FUSED)},
+                                  ahead=(["rw"], arrived))
+        self.assertIn("ids exchanged a batch ahead (rw)", report.sparse[0])
+        self.assertNotIn("all_to_all", text)
+        self.assertNotIn("check_ids", text)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[12]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[2]", arg5_1: "i64[3]", arg6_1: "i64[8]", arg7_1: "i64[4]"):
+        _sparse_rw_weights_offsets: "i64[1]" = self._sparse_rw_weights_offsets
+        _sparse_rw_d_offsets: "i32[2]" = self._sparse_rw_D_offsets
+        _sparse_rw_hash_size_cumsum: "i64[2]" = self._sparse_rw_hash_size_cumsum
+        _sparse_rw_momentum_offsets: "i64[1]" = self._sparse_rw_momentum_offsets
+        _sparse_rw_rows: "i64[1]" = self._sparse_rw_rows
+        asynchronous_complete_cumsum: "i64[9]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(arg6_1);  arg6_1 = None
+        tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_rw_weights_offsets, _sparse_rw_d_offsets, _sparse_rw_hash_size_cumsum, _sparse_rw_momentum_offsets, _sparse_rw_rows, arg7_1, asynchronous_complete_cumsum, None, 4, 4, 2, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')", [0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_rw_weights_offsets = _sparse_rw_d_offsets = _sparse_rw_hash_size_cumsum = _sparse_rw_momentum_offsets = _sparse_rw_rows = arg7_1 = asynchronous_complete_cumsum = None
         reduce_scatter: "f32[2, 4]" = torch.ops.graphshard.reduce_scatter.default(tbe_lookup, 0, 'dp', 4, 0);  tbe_lookup = None
         return (reduce_scatter,)
 """)

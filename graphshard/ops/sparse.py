@@ -6,6 +6,10 @@ user's module computes, as one node with the output's shape (``[batch, total_dim
 (``program.sharded_lookup``). Run eagerly it computes the same forward (a debugging path, no
 gradient: a sharded collection trains compiled).
 
+``graphshard::embedding_bags_received`` is the same lookup where a training pipeline exchanged
+the ids a batch ahead (`graphshard.sparse.input_dist`): ``received`` holds what arrived, per
+exchanged group (``groups``), and the pass expands a program that starts at the lookup.
+
 ``graphshard::embedding_seqs`` is the same for a sequence collection (TorchRec's
 ``EmbeddingCollection``): each feature's rows, one per id (``[ids, dim]``; the counts are the
 data's, so the fake impl gives each a new unbacked size), then, with ``need_indices``, each
@@ -28,6 +32,8 @@ from graphshard.params import resolve
 lib = torch.library.Library("graphshard", "FRAGMENT")
 lib.define("embedding_bags(Tensor values, Tensor lengths, Tensor? weights, Tensor[] state, str key, "
            "str[] keys, int total_dim) -> Tensor")
+lib.define("embedding_bags_received(Tensor values, Tensor lengths, Tensor? weights, Tensor[] state, str key, "
+           "str[] keys, int total_dim, Tensor[] received, str[] groups) -> Tensor")
 lib.define("embedding_seqs(Tensor values, Tensor lengths, Tensor[] state, str key, str[] keys, int dim, "
            "int features, bool need_indices) -> Tensor[]")
 lib.define("scale_grad(Tensor x, float scale) -> Tensor")
@@ -38,7 +44,11 @@ def _embedding_bags_eager(values, lengths, weights, state, key, keys, total_dim)
     return resolve(key).run(values, lengths, weights, list(state), list(keys))
 
 
-def _embedding_bags_fake(values, lengths, weights, state, key, keys, total_dim):
+def _embedding_bags_received_eager(values, lengths, weights, state, key, keys, total_dim, received, groups):
+    return resolve(key).run(values, lengths, weights, list(state), list(keys), received=(list(groups), list(received)))
+
+
+def _embedding_bags_fake(values, lengths, weights, state, key, keys, total_dim, *received):
     return values.new_empty((lengths.shape[0] // len(keys), total_dim), dtype=torch.float32)
 
 
@@ -56,6 +66,10 @@ def _embedding_bags_backward(ctx, grad):
 torch.library.impl(lib, "embedding_bags", "CompositeExplicitAutograd")(_embedding_bags_eager)
 torch.library.register_fake("graphshard::embedding_bags")(_embedding_bags_fake)
 torch.library.register_autograd("graphshard::embedding_bags", _embedding_bags_backward,
+                                setup_context=_embedding_bags_setup)
+torch.library.impl(lib, "embedding_bags_received", "CompositeExplicitAutograd")(_embedding_bags_received_eager)
+torch.library.register_fake("graphshard::embedding_bags_received")(_embedding_bags_fake)
+torch.library.register_autograd("graphshard::embedding_bags_received", _embedding_bags_backward,
                                 setup_context=_embedding_bags_setup)
 
 
@@ -119,9 +133,18 @@ def lookup_args(node) -> tuple | None:
     (pooled or sequence), else None."""
     if node.op != "call_function":
         return None
-    if node.target in (ops.embedding_bags, ops.embedding_bags.default):  # dynamo's graph calls the packet
+    if node.target in (ops.embedding_bags, ops.embedding_bags.default,  # dynamo's graph calls the packet
+                       ops.embedding_bags_received, ops.embedding_bags_received.default):
         return tuple(node.args[:6])
     if node.target in (ops.embedding_seqs, ops.embedding_seqs.default):
         values, lengths, state, key, keys = node.args[:5]
         return values, lengths, None, state, key, keys
+    return None
+
+
+def received_args(node) -> tuple[list, list[str]] | None:
+    """A pooled lookup node's ids exchanged a batch ahead: (the received tensors' nodes, their
+    groups), or None where the lookup exchanges its own."""
+    if node.target in (ops.embedding_bags_received, ops.embedding_bags_received.default):
+        return list(node.args[7]), list(node.args[8])
     return None

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from graphshard import params
 from graphshard.sparse.fused_tbe import FusedTBE, TBESlot
+from graphshard.sparse.input_dist import unpack
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
 from graphshard.sparse.sequence import row_starts, sequence_lookup, width_groups
@@ -137,12 +138,17 @@ class SparseCollection:
         """Per ``state_tensors()`` entry: whether the program's autograd flows into it."""
         return [isinstance(t, torch.Tensor) and t.requires_grad for t in self.state_tensors()]
 
-    def run(self, values, lengths, weights, state, keys, constants=None):
+    def run(self, values, lengths, weights, state, keys, constants=None, received=None):
+        """The lookup's program. ``received``: ``(groups, tensors)`` where a pipeline exchanged the
+        ids a batch ahead (`graphshard.sparse.input_dist`, which checked their bounds)."""
         if self.layout.sequence:
             return sequence_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
                                    list(state), torch.float32, constants, self.bounds_check, self.need_indices)
+        if received is not None:
+            received = unpack(*received, self.layout.weighted)
         return sharded_lookup(self.layout, self.plan, dict(self.tbes.items()), list(keys), values, lengths,
-                              weights, list(state), torch.float32, constants, self.bounds_check)
+                              weights, list(state), torch.float32, constants, self.bounds_check and received is None,
+                              received=received)
 
     def run_uses(self, uses: list, state, constants=None) -> list:
         """Several lookups of this collection in one step (a module reachable under several FQNs),

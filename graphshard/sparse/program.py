@@ -118,17 +118,23 @@ def permute_rows(rows: list[int], lengths2d, values, weights, total=None, *, kjt
     return out[0], out[1], out[2]
 
 
+def destinations(lengths2d, send: list[int], world: int):
+    """How many ids go to each rank (a ``[world]`` tensor), for a KJT whose features are grouped by
+    destination (``send[d]`` features for rank d)."""
+    owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=lengths2d.device)
+    return torch.zeros(world, dtype=lengths2d.dtype, device=lengths2d.device).index_add(
+        0, owner, lengths2d.sum(1).to(lengths2d.dtype))
+
+
 def send_ids(lengths2d, values, weights, send: list[int], recv_features: int, batch: int, group: str, world: int,
              in_splits: list | None = None):
     """All-to-all of a KJT whose features are grouped by destination (``send[d]`` features for rank d):
     this rank's ``recv_features`` features from each rank in turn (source-major), and the ids' split
     sizes (sent, received). ``in_splits``: the ids sent to each rank, where the caller has them."""
     flat = lengths2d.reshape(-1)
-    sizes = [n * batch for n in send]
     if in_splits is None:
-        owner = torch.tensor([d for d, n in enumerate(send) for _ in range(n)], dtype=torch.int64, device=flat.device)
-        in_counts = torch.zeros(world, dtype=flat.dtype, device=flat.device).index_add(0, owner, lengths2d.sum(1))
-    recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, sizes, group)
+        in_counts = destinations(lengths2d, send, world)
+    recv_lengths = ops.all_to_all(flat, [recv_features * batch] * world, [n * batch for n in send], group)
     out_counts = recv_lengths.view(world, recv_features * batch).sum(1)
     if in_splits is None:
         in_splits = in_counts.tolist()
@@ -144,12 +150,55 @@ def _exchange(lengths2d, values, weights, send: list[int], recv_features: int, b
     feature's bags: rank 0's samples, rank 1's, ...), as a pooled TBE reads them."""
     recv_lengths, recv_values, recv_weights, _, _ = send_ids(lengths2d, values, weights, send, recv_features, batch,
                                                              group, world)
+    return regroup(recv_lengths, recv_values, recv_weights, recv_features, batch, world, kjt)
+
+
+def regroup(recv_lengths, recv_values, recv_weights, recv_features: int, batch: int, world: int, kjt: KJTOps):
+    """Received features (source-major) -> feature-major over the world's batch: (lengths, values, weights)."""
     if recv_features == 0:
         return recv_lengths, recv_values, recv_weights
     recat = [s * recv_features + j for j in range(recv_features) for s in range(world)]
     lengths, values, weights = permute_rows(recat, recv_lengths.view(world * recv_features, batch), recv_values,
                                             recv_weights, kjt=kjt)
     return lengths.reshape(-1), values, weights
+
+
+@dataclass
+class Outgoing:
+    """One lookup group's ids as they leave this rank, grouped by destination: ``send[d]`` features
+    (rows of ``lengths2d``) for rank d; ``recv`` features come from each rank."""
+
+    lengths2d: torch.Tensor
+    values: torch.Tensor
+    weights: torch.Tensor | None
+    send: list[int]
+    recv: int
+
+
+EXCHANGED = ("a2a", "rw")
+"""The groups whose ids go by one all-to-all over the collection's group, which a pipeline can
+run a batch ahead (`graphshard.sparse.input_dist`); table-row-wise and data-parallel tables
+exchange theirs in the step."""
+
+
+def outgoing(layout: CollectionLayout, plan: LocalPlan, group: str, kpos: dict, lengths2d, values, weights,
+             kjt: KJTOps) -> Outgoing:
+    """The ids this rank sends for one of the ``EXCHANGED`` groups: ``"a2a"``, the table- and
+    column-wise features selected per destination; ``"rw"``, the row-wise ids bucketized by row
+    block."""
+    if group == "a2a":
+        send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]
+        l2d, v, w = permute_rows(send_rows, lengths2d, values, weights, kjt=kjt)
+        return Outgoing(l2d, v, w, [len(s) for s in plan.a2a_slots], len(plan.a2a_slots[layout.rank]))
+    n = len(plan.rw_features)
+    bl, bv, bw = _bucketize([kpos[f] for _, f in plan.rw_features], lengths2d, values, weights,
+                            [t.row_block for t, _ in plan.rw_features], layout.world, kjt)
+    return Outgoing(bl, bv, bw, [n] * layout.world, n)
+
+
+def exchanged_groups(plan: LocalPlan) -> list[str]:
+    """The ``EXCHANGED`` groups a collection has."""
+    return [g for g, present in zip(EXCHANGED, (any(plan.a2a_slots), bool(plan.rw_features))) if present]
 
 
 def _lookup(tbe, state: list, constants, lengths, values, weights, bags: int, dtype, kjt: KJTOps):
@@ -277,13 +326,15 @@ def _gathered_bags(lengths2d, values, weights, table, group: str, world: int, ra
 def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: list[str],
                    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None,
                    state: list[torch.Tensor], dtype: torch.dtype, constants: dict | None = None,
-                   bounds_check: bool = True) -> torch.Tensor:
+                   bounds_check: bool = True, received: dict | None = None) -> torch.Tensor:
     """The pooled ``[batch, total_dim]`` output of this rank's samples, columns in the collection's order.
 
     ``keys``: the KJT's features (any order, a superset of the collection's); ``state``: the
     tensors ``SparseCollection.state_tensors()`` lists (each TBE's token, weights, optimizer
     state and learning rate, then each data-parallel table's weight); ``constants``: per TBE,
-    its layout tensors when they are traced as inputs (default: the TBE's own).
+    its layout tensors when they are traced as inputs (default: the TBE's own); ``received``: the
+    ``EXCHANGED`` groups' ids as they arrived, (lengths, values, weights) by group, where a pipeline
+    exchanged them a batch ahead (`graphshard.sparse.input_dist`).
     """
     constants = constants or {}
     world, rank, group = layout.world, layout.rank, layout.group
@@ -292,21 +343,21 @@ def sharded_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys: 
     parts = []
     per_group, dp_weights = split_state(tbes, state)
 
+    def arrived(name: str):  # a group's ids on this rank: exchanged here, or a batch ahead
+        if received is not None:
+            return received[name]
+        o = outgoing(layout, plan, name, kpos, lengths2d, values, weights, kjt)
+        return _exchange(o.lengths2d, o.values, o.weights, o.send, o.recv, batch, group, world, kjt)
+
     if any(plan.a2a_slots):
-        send_rows = [kpos[s.feature] for slots in plan.a2a_slots for s in slots]
-        l2d, v, w = permute_rows(send_rows, lengths2d, values, weights, kjt=kjt)
-        mine = plan.a2a_slots[rank]
-        rl, rv, rw = _exchange(l2d, v, w, [len(s) for s in plan.a2a_slots], len(mine), batch, group, world, kjt)
+        rl, rv, rw = arrived("a2a")
         pooled = _lookup(tbes["a2a"], per_group["a2a"], constants.get("a2a"), rl, rv, rw, world * batch, dtype, kjt)
         widths = [sum(s.shard.cols for s in slots) for slots in plan.a2a_slots]
         back = ops.all_to_all(pooled.reshape(-1), [batch * d for d in widths], [batch * pooled.shape[1]] * world, group)
         parts.extend(_blocks(back, batch, widths))
 
     if plan.rw_features:
-        bl, bv, bw = _bucketize([kpos[f] for _, f in plan.rw_features], lengths2d, values, weights,
-                                [t.row_block for t, _ in plan.rw_features], world, kjt)
-        n = len(plan.rw_features)
-        rl, rv, rw = _exchange(bl, bv, bw, [n] * world, n, batch, group, world, kjt)
+        rl, rv, rw = arrived("rw")
         partial = _lookup(tbes["rw"], per_group["rw"], constants.get("rw"), rl, rv, rw, world * batch, dtype, kjt)
         parts.append(ops.reduce_scatter(partial, 0, group, world, rank))
 

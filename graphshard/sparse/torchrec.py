@@ -22,6 +22,7 @@ import torch.nn as nn
 from graphshard import _compat
 from graphshard.sparse.fused_tbe import choose_kernel
 from graphshard.sparse.collection import SparseCollection
+from graphshard.sparse.input_dist import received_of
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.ops.sparse import ops as sparse_ops
 from graphshard.sparse.program import group_state
@@ -214,8 +215,13 @@ def _forward(self, features):
     if layout.weighted and weights is None:
         raise ValueError(f"{layout.fqns[0]} is weighted (is_weighted=True): the KeyedJaggedTensor needs weights")
     state = _state(self, coll)
-    pooled = sparse_ops.embedding_bags(features.values(), features.lengths(), weights, state, layout.key, keys,
-                                       layout.total_dim)
+    ahead = received_of(features, layout.key)  # exchanged a batch ahead by a pipeline (input_dist.py)
+    if ahead is not None:
+        pooled = sparse_ops.embedding_bags_received(features.values(), features.lengths(), weights, state, layout.key,
+                                                    keys, layout.total_dim, ahead[1], list(ahead[0]))
+    else:
+        pooled = sparse_ops.embedding_bags(features.values(), features.lengths(), weights, state, layout.key, keys,
+                                           layout.total_dim)
     return KeyedTensor(keys=self._embedding_names, length_per_key=self._lengths_per_embedding, values=pooled)
 
 

@@ -12,6 +12,11 @@ batches of ``RandomRecDataset`` through a ``DataLoader`` (each rank its own stre
   are copied in). Both must give the single process's loss at every step, the same losses as
   each other and the same state at the end. TorchRec's DMP with its own default planner runs
   too, for the record, and graphshard's DMP under TorchRec's ``TrainPipelineBase``.
+- ``pipeline``: graphshard's DMP under graphshard's ``TrainPipelineSparseDist`` (the next batch's
+  ids exchanged during a step) beside TorchRec's DMP under TorchRec's, on the plan of graphshard's
+  planner (table-wise), row-wise and column-wise: the same losses, the single process's where
+  the optimizer means the same (not column-wise: row-wise Adagrad keeps a state per column block),
+  one compiled program (no recompile for the batches' ids), and ``explain`` saying it.
 - ``meta``: the whole model built on the meta device, as TorchRec's DMP docstring builds it; each
   DMP initializes it (``init_parameters=True``). graphshard's rows must lie in the tables' init
   bounds and fill them, and its dense parameters agree over ranks. Then graphshard's DMP loads
@@ -75,8 +80,9 @@ def _loader(rank: int | None = None):
     return DataLoader(data, batch_size=None, batch_sampler=None)
 
 
-def _train(dmp, pipeline_class: str = "TrainPipelineSparseDist") -> list[float]:
-    """TorchRec's loop: its optimizers around the DMP, its pipeline driving it. The losses of this rank."""
+def _train(dmp, pipeline_class="TrainPipelineSparseDist") -> list[float]:
+    """TorchRec's loop: its optimizers around the DMP, a pipeline driving it (TorchRec's class of that
+    name, or the class given). The losses of this rank."""
     from torchrec.distributed import train_pipeline
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -85,7 +91,9 @@ def _train(dmp, pipeline_class: str = "TrainPipelineSparseDist") -> list[float]:
                                   lambda params: torch.optim.Adagrad(params, lr=LR))
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense])
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    pipeline = getattr(train_pipeline, pipeline_class)(dmp, optimizer, torch.device("cpu"))
+    if isinstance(pipeline_class, str):
+        pipeline_class = getattr(train_pipeline, pipeline_class)
+    pipeline = pipeline_class(dmp, optimizer, torch.device("cpu"))
     batches = iter(_loader())
     losses = []
     for _ in range(STEPS):
@@ -212,6 +220,8 @@ def run(case: str) -> dict:
         base = _mean_over_ranks(_train(_dmp("graphshard", _model("cpu")), "TrainPipelineBase"))
         out["base_pipeline_reference_diff"] = max(abs(x - y) for x, y in zip(base, out["reference_losses"]))
         return out
+    if case == "pipeline":
+        return {"case": case, **_pipelines()}
     if case == "meta":
         gs = _dmp("graphshard", _model("meta"))
         out = {"case": case, **_meta_init(gs)}
@@ -220,6 +230,37 @@ def run(case: str) -> dict:
         init = _full_state(gs)
         return {**out, **_compare(gs, tr, init)}
     raise ValueError(f"unknown case {case!r}")
+
+
+def _pipelines() -> dict:
+    """Each plan's graphshard DMP + graphshard's pipeline against TorchRec's DMP + TorchRec's pipeline."""
+    import graphshard
+    from graphshard.model_parallel import TrainPipelineSparseDist
+    from graphshard.storage import state_of
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    init = {k: v.detach().clone() for k, v in _model("cpu").state_dict().items()}
+    ref = _reference(init)
+    out = {}
+    for name, spec in (("planned", None), ("rw", row_wise), ("cw", lambda: column_wise(ranks=[0, 1]))):
+        plan = None
+        if spec is not None:
+            ebc = _model("cpu").model.sparse_arch.embedding_bag_collection
+            plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+                ebc, {f"t{i}": spec() for i in range(len(KEYS))})})
+        gs = _dmp("graphshard", _model("cpu"), plan=plan)
+        tr = _dmp("torchrec", _model("cpu"), plan=gs.plan)
+        _init_torchrec(tr, init)
+        gs_losses, tr_losses = _train(gs, TrainPipelineSparseDist), _train(tr)
+        mean = _mean_over_ranks(gs_losses)
+        out[name] = {"plan": sorted(set(_plan_of(gs).values())),
+                     "finite": all(math.isfinite(x) for x in gs_losses + tr_losses),
+                     "loss_diff": _all_ranks_max(max(abs(x - y) for x, y in zip(gs_losses, tr_losses))),
+                     "reference_diff": max(abs(x - y) for x, y in zip(mean, ref)),
+                     "programs": len(state_of(gs.module).explain),
+                     "ahead": "ids exchanged a batch ahead" in graphshard.explain(gs)}
+    return out
 
 
 def _plan_of(dmp) -> dict:
