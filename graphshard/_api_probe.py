@@ -114,6 +114,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._dynamo.config[capture_dynamic_output_shape_ops]",
      "model_parallel/_dmp.py (_compat.trace_data_dependent_outputs: sequence lookups)"),
     ("torch._dynamo.utils.counters", "tests (_compat.dynamo_counters)"),
+    ("torch._dynamo.maybe_mark_dynamic",
+     "sparse/input_dist.py: the ids a pipeline exchanged ahead (_compat.maybe_mark_dynamic)"),
     ("torch._dynamo.symbolic_convert.InstructionTranslator.current_tx",
      "backend.py (_compat.dynamo_frame: the collective check names programs by code)"),
     ("torch._dynamo.reset", "tests/conftest.py"),

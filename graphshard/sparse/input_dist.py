@@ -30,7 +30,7 @@ from graphshard.sparse.program import destinations, exchanged_groups, outgoing, 
 ATTR = "_graphshard_received"
 """The KJT attribute a finished `Prefetch` leaves: ``{collection key: (groups, tensors)}``."""
 
-_c10d = torch.ops._c10d_functional
+_c10d = _compat.c10d
 
 
 class _Group:
