@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from graphshard.sparse.input_dist import Prefetch
+from graphshard.sparse.program import exchanged_groups
 from graphshard.storage import state_of
 
 log = logging.getLogger("graphshard.model_parallel")
@@ -99,7 +100,8 @@ class TrainPipelineSparseDist:
         self._model, self._optimizer, self._device = model, optimizer, torch.device(device)
         self._execute_all_batches = execute_all_batches
         self._forward = custom_model_fwd if custom_model_fwd is not None else model
-        self._collections = [c for c in model._collections if not c.layout.sequence]
+        # the collections with ids to exchange ahead (table-, column- or row-wise tables)
+        self._collections = [c for c in model._collections if not c.layout.sequence and exchanged_groups(c.plan)]
         self._batches: deque = deque()  # [batch, its Prefetches]: the current one, then the next
         self._exhausted = False
         self._report: _Ahead | None = None
@@ -124,27 +126,22 @@ class TrainPipelineSparseDist:
         A collection with none or several such KJTs exchanges its ids in the step (logged, and
         printed by ``explain``)."""
         kjts = _kjts(batch)
-        pairs, report = [], _Ahead()
-        for coll in self._collections:
-            layout = coll.layout
-            if not any(coll.plan.a2a_slots) and not coll.plan.rw_features:
-                continue  # no table- column- or row-wise table: nothing to exchange ahead
-            fits = [k for k in kjts if set(layout.features) <= set(k.keys())]
-            if len(fits) == 1:
-                pairs.append((coll, fits[0]))
-                report.ahead.append(layout.fqns[0])
-            else:
-                report.in_step.append(
-                    f"{layout.fqns[0]}: ids exchanged in the step: the batch has {len(fits)} KeyedJaggedTensors with "
-                    f"its features {list(layout.features)}, not one")
+        fits = [(coll, [k for k in kjts if set(coll.layout.features) <= set(k.keys())]) for coll in self._collections]
         if self._report is None:  # once: the first batch says what the pipeline does
-            self._report = report
-            for note in report.in_step:
-                log.warning("TrainPipelineSparseDist: %s", note)
+            self._report = _Ahead()
+            for coll, found in fits:
+                fqn, features = coll.layout.fqns[0], list(coll.layout.features)
+                if len(found) == 1:
+                    self._report.ahead.append(fqn)
+                else:
+                    note = (f"{fqn}: ids exchanged in the step: the batch has {len(found)} KeyedJaggedTensors with "
+                            f"its features {features}, not one")
+                    self._report.in_step.append(note)
+                    log.warning("TrainPipelineSparseDist: %s", note)
             state = state_of(self._model.module)
             if state is not None:
-                state.preamble.append(report)
-        return pairs
+                state.preamble.append(self._report)
+        return [(coll, found[0]) for coll, found in fits if len(found) == 1]
 
     # ---- TorchRec's API ----
     def progress(self, dataloader_iter: Iterator) -> Any:
