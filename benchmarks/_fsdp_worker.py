@@ -28,6 +28,8 @@ Variants (see `VARIANTS`):
                             ``graphshard.compiler.outline``).
 * ``graphshard_post``       the same with ``backward_prefetch="post"``: a unit's backward all-gather issued after
                             the next unit's gradient computation, so under AC after its recomputation too.
+* ``graphshard_nccl``       the same with ``Plan(collectives="nccl")``: on gloo, the collectives a GPU run issues
+                            (the unit's gather packed into its own slot and gathered in place).
 * ``graphshard_comm``       graphshard's collectives of one step alone, no compute (`build_graphshard_comm`).
 * ``graphshard_auto``       ``graphshard.compile`` with ``graphshard.auto_plan``'s plan (``--auto-budget-mib``).
 * ``local_compile``         no sharding and no communication: an unsharded ``torch.compile``'d copy per rank.
@@ -184,22 +186,22 @@ def build_fsdp1(model, mesh, lr, *, use_orig_params=True, graphshard_fsdp=False,
     return _make_step(fsdp, fsdp.parameters(), lr)
 
 
-def _graphshard_plan(mesh, blocks: str = "layers", **spec):
+def _graphshard_plan(mesh, blocks: str = "layers", plan_kwargs=None, **spec):
     """FullyShard on every block (``<blocks>.*``, see `blocks_of`) and the root."""
     try:
         import graphshard
     except Exception as e:  # noqa: BLE001
         raise C.Unavailable(f"import graphshard failed: {e!r}") from e
     return graphshard, graphshard.Plan(mesh, {f"{blocks}.*": graphshard.FullyShard(**spec),
-                                              "": graphshard.FullyShard(**spec)})
+                                              "": graphshard.FullyShard(**spec)}, **(plan_kwargs or {}))
 
 
 FSDP1_DEFAULTS = dict(forward_prefetch=False, backward_prefetch="pre", limit_all_gathers=2)
 """The compile settings FSDP1's defaults map to (what graphshard.fsdp compiles with)."""
 
 
-def build_graphshard(model, mesh, lr, compile_kwargs=None, **spec) -> StepFn:
-    graphshard, plan = _graphshard_plan(mesh, blocks_of(model)[0], **spec)
+def build_graphshard(model, mesh, lr, compile_kwargs=None, plan_kwargs=None, **spec) -> StepFn:
+    graphshard, plan = _graphshard_plan(mesh, blocks_of(model)[0], plan_kwargs, **spec)
     graphshard.compile(model, plan, **(compile_kwargs or {}))
     return _make_step(model, model.parameters(), lr)
 
@@ -275,6 +277,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "graphshard_eq": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS),
     "graphshard_eq_flat": lambda m, mesh, lr: build_graphshard(m, mesh, lr, FSDP1_DEFAULTS, flat_params=True),
     "graphshard_post": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(backward_prefetch="post")),
+    "graphshard_nccl": lambda m, mesh, lr: build_graphshard(m, mesh, lr, plan_kwargs=dict(collectives="nccl")),
     "graphshard_flat_trace": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(trace_once=False)),
     "graphshard_comm": build_graphshard_comm,
     "graphshard_auto": build_graphshard_auto,

@@ -49,6 +49,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._foreach_copy_", "graphshard/ops/dense.py grad packing (_compat.foreach_clone)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor.default",
      "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
+    ("torch.ops._c10d_functional.all_gather_into_tensor_out.default",
+     "graphshard/compiler/lowering.py InPlaceGather (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default",
      "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.reduce_scatter_tensor.default",

@@ -8,7 +8,7 @@ from expecttest import TestCase
 import graphshard
 from _models import fsdp_plan, seeded, stack
 from graphshard import _compat
-from graphshard.compiler.lowering import is_communication, lower_regions, split_regions, whole_graph_reason
+from graphshard.compiler.lowering import InPlaceGather, is_communication, lower_regions, split_regions, whole_graph_reason
 from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, token_batch
 
 
@@ -73,17 +73,17 @@ class TestRegionalLowering(TestCase):
         # the constant they read. One compile serves both listings.
         listing = _lowered(stack())
         self.assertExpectedInline(listing["forward"], """\
-pack
-all_gather_into_tensor
+pack (in place)
+all_gather_into_tensor (in place)
 wait_tensor
-pack
-all_gather_into_tensor
+pack (in place)
+all_gather_into_tensor (in place)
 unpack
 getitem 0
 eager(2 in, 1 out): mm, relu
 wait_tensor
-pack
-all_gather_into_tensor
+pack (in place)
+all_gather_into_tensor (in place)
 unpack
 getitem 0
 eager(2 in, 1 out): mm, relu
@@ -93,12 +93,12 @@ getitem 0
 region r0(2 in, 2 out): mm, relu, le
 """)
         self.assertExpectedInline(listing["backward"], """\
-pack
-all_gather_into_tensor
+pack (in place)
+all_gather_into_tensor (in place)
 region r0(3 in, 2 out): full, where, mm
 wait_tensor
-pack
-all_gather_into_tensor
+pack (in place)
+all_gather_into_tensor (in place)
 pack_grads
 reduce_scatter_tensor
 unpack
@@ -125,6 +125,23 @@ unpack_reduced
 getitem 0
 eager(1 in, 1 out): views
 """)
+
+    def test_in_place_gather_packs_into_this_ranks_slot(self):
+        # NCCL gathers in place only when the input is this rank's slot of the output; elsewhere
+        # the other ranks' data overwrite the input while it is read. gloo copies through a
+        # temporary either way, so the launch tests' parity cannot see a wrong slot: this can.
+        group = torch.distributed.group.WORLD.group_name
+        world = torch.distributed.get_world_size()
+        self.assertEqual(InPlaceGather(world, group).rank(), torch.distributed.get_rank())
+        xs, numels = [torch.arange(3.0), torch.arange(5.0) + 10], [4, 5]
+        packed = torch.ops.graphshard.pack.default(xs, numels, torch.float32)
+        for rank in range(world):
+            run = InPlaceGather(world, group, rank)
+            buf = run.pack(xs, numels, torch.float32)
+            self.assertEqual(buf.shape, (world * 9,))
+            torch.testing.assert_close(buf.narrow(0, rank * 9, 9), packed, rtol=0, atol=0)
+            out = _compat.c10d.wait_tensor(run.gather(buf, world, group))
+            self.assertEqual(out.data_ptr(), buf.data_ptr())  # gathered into the buffer itself
 
     def test_identical_layers_compile_once(self):
         # Every region remakes the shared constant instead of the first layer handing it on,

@@ -33,6 +33,8 @@ def all_cases() -> list[str]:
         cases += [f"{name}:{s}:inductor:ac" for s in strategies if s != "tp"]
         # the trace-once column: 4 blocks, so that blocks repeat and share one traced body
         cases += [f"{name}:{s}:eager:deep" for s in strategies if s != "tp"]
+        # the GPU's collective forms (Plan(collectives="nccl")) on gloo: each unit's gather in place
+        cases += [f"{name}:fsdp:inductor:nccl"]
     return cases
 
 
@@ -49,6 +51,7 @@ QUICK = [
     *WHOLE,
     "llama:fsdp:inductor:ac:nocache", "qwen3:fsdp_tp:eager:ac",  # HF's gradient_checkpointing_enable()
     "llama:fsdp_tp:eager:deep", "qwen2_moe:fsdp:eager:deep",  # repeated blocks traced once (4 blocks)
+    "llama:fsdp:inductor:nccl",  # the GPU's collective forms, the unit's gather in place
 ]
 NO_CACHE = "llama:fsdp:inductor:ac:nocache"
 

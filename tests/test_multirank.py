@@ -47,8 +47,12 @@ TWO_RANK = [
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
 # Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
 # and gloo's (the default on gloo). c10d implements each functional collective by a ProcessGroup op.
-NCCL_FORMS = {"graphshard::pack", "_c10d_functional::all_gather_into_tensor", "graphshard::unpack",
-              "graphshard::pack_grads", "_c10d_functional::reduce_scatter_tensor", "graphshard::unpack_reduced"}
+# The unit's gather: packed, then all-gathered; lowered by region, the pair runs in place (the
+# shards packed into this rank's slot of the gathered buffer, `lowering.InPlaceGather`).
+NCCL_FORMS = {"graphshard::unpack", "graphshard::pack_grads", "_c10d_functional::reduce_scatter_tensor",
+              "graphshard::unpack_reduced"}
+PACKED_GATHER = {"graphshard::pack", "_c10d_functional::all_gather_into_tensor"}
+IN_PLACE_GATHER = {"_c10d_functional::all_gather_into_tensor_out"}
 GLOO_FORMS = {"_c10d_functional::all_gather_into_tensor_coalesced", "_c10d_functional::all_to_all_single"}
 # Rank 1 alone sees a new input shape at step 2 and compiles a second graph, lowered by region
 # or whole, with shared compiles on (both ranks share the first graph's compile).
@@ -100,6 +104,9 @@ def test_nccl_forms_run_on_gloo(two_rank_results, case):
     # The numerics above passed through NCCL's collectives: the step ran those and no gloo form.
     ops = set(two_rank_results[case]["ops"])
     assert NCCL_FORMS <= ops and not GLOO_FORMS & ops, sorted(ops)
+    # by region (inductor) the gather runs in place; whole and eager lowerings run the graph's pair
+    gather, other = (IN_PLACE_GATHER, PACKED_GATHER) if case.split(":")[2] == "inductor" else (PACKED_GATHER, IN_PLACE_GATHER)
+    assert gather <= ops and not other & ops, sorted(ops)
 
 
 @pytest.mark.parametrize("case", [c for c in TWO_RANK if c.split(":")[1] in ("full_shard", "shard_grad_op")
@@ -111,7 +118,7 @@ def test_gloo_forms_by_default(two_rank_results, case):
 
 def test_hybrid_nccl_forms_run_on_gloo(four_rank_results):
     ops = set(four_rank_results["transformer:hybrid:eager:nccl_forms"]["ops"])
-    assert NCCL_FORMS | {"_c10d_functional::all_reduce"} <= ops and not GLOO_FORMS & ops, sorted(ops)
+    assert NCCL_FORMS | PACKED_GATHER | {"_c10d_functional::all_reduce"} <= ops and not GLOO_FORMS & ops, sorted(ops)
 
 
 @pytest.mark.parametrize("case", ONE_RANK_COMPILES)

@@ -43,6 +43,7 @@ from graphshard import _compat
 from graphshard.compiler import inductor_cpu
 from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
+from graphshard.ops.dense import pack_into
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -429,6 +430,8 @@ class RegionalProgram:
         for step in steps:
             if isinstance(step, Region) and step.key:
                 names.setdefault(step.key, f"r{len(names)}")
+        in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in _gathers_in_place(steps)}
+        packs = {gather.args[0]: run for gather, run in in_place.items()}
         for i, step in enumerate(steps):
             if isinstance(step, Region):
                 ops = ", ".join(_short(n) for n in step.nodes if _aten_name(n) not in _VIEWS and n.target is not operator.getitem)
@@ -446,9 +449,14 @@ class RegionalProgram:
                 self.program.append(("region", fn, [slot[a] for a in step.inputs],
                                      [slot[o] if o in used else None for o in step.outputs], dying[i]))
             else:
-                self.listing.append(_short(step))
+                fn = step.target
+                if step in packs:
+                    fn = packs[step].pack
+                elif step in in_place:
+                    fn = in_place[step].gather
+                self.listing.append(_short(step) + (" (in place)" if fn is not step.target else ""))
                 args = fx.map_arg((step.args, step.kwargs), lambda a: _Slot(slot[a]))
-                self.program.append(("call", step.target, args, slot[step], dying[i]))
+                self.program.append(("call", fn, args, slot[step], dying[i]))
         self.outputs = fx.map_arg(out_node.args[0], lambda a: _Slot(slot[a]))
 
     def describe(self) -> str:
@@ -473,6 +481,45 @@ class RegionalProgram:
                     env[d] = None
                 env[outs] = fn(*a, **kw)
         return _resolve(self.outputs, env)
+
+
+def _gathers_in_place(steps: list[fx.Node | Region]) -> list[fx.Node]:
+    """The ``all_gather_into_tensor`` steps whose input is a ``graphshard::pack`` step that
+    nothing else reads: a unit's gather in the bucket form."""
+    calls = {s for s in steps if isinstance(s, fx.Node)}
+    return [s for s in steps if s in calls
+            and s.target is _compat.c10d.all_gather_into_tensor.default and s.args[0] in calls
+            and s.args[0].target is torch.ops.graphshard.pack.default and len(s.args[0].users) == 1]
+
+
+class InPlaceGather:
+    """A unit's ``pack`` and ``all_gather_into_tensor`` run as FSDP2 runs them (and as
+    Inductor's FSDP pass rewrites its own pair): the shards are packed straight into this
+    rank's slot of the gathered buffer, and the buffer is gathered in place
+    (``all_gather_into_tensor_out``). The graph keeps the functional pair, so the passes, the
+    goldens and the collective check see the same program; only its run changes. It saves the
+    packed input, a unit / world, which would otherwise live as long as the gather is in flight:
+    for a prefetched gather, across the compute it hides under (under activation checkpointing,
+    the unit's recomputation, where the backward's peak is)."""
+
+    def __init__(self, world: int, group_name: str, rank: int | None = None):
+        self.world, self.group_name = world, group_name
+        self._rank = rank  # this process's rank in the group: looked up at the first run
+
+    def rank(self) -> int:
+        if self._rank is None:
+            self._rank = _compat.group_ranks(self.group_name).index(torch.distributed.get_rank())
+        return self._rank
+
+    def pack(self, xs: list[torch.Tensor], numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+        n = sum(numels)
+        out = xs[0].new_empty(self.world * n, dtype=dtype)
+        pack_into(out.narrow(0, self.rank() * n, n), xs, numels)
+        return out
+
+    def gather(self, buf: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
+        n = buf.numel() // world
+        return _compat.c10d.all_gather_into_tensor_out(buf.narrow(0, self.rank() * n, n), world, group_name, out=buf)
 
 
 def _short(node: fx.Node) -> str:

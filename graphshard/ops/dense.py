@@ -107,9 +107,9 @@ lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dt
 lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
 
 
-@torch.library.impl(lib, "pack", "CompositeExplicitAutograd")
-def _pack(xs, numels, dtype):
-    out = xs[0].new_empty(sum(numels), dtype=dtype)
+def pack_into(out: torch.Tensor, xs: Sequence[torch.Tensor], numels: Sequence[int]) -> torch.Tensor:
+    """Writes ``pack``'s result into ``out`` (flat, ``sum(numels)`` elements): each ``x`` in its
+    ``numel``-element slot, cast to ``out``'s dtype, zero-padded to the slot's end."""
     offset = 0
     for x, n in zip(xs, numels):
         out.narrow(0, offset, x.numel()).copy_(x.reshape(-1))
@@ -117,6 +117,11 @@ def _pack(xs, numels, dtype):
             out.narrow(0, offset + x.numel(), n - x.numel()).zero_()
         offset += n
     return out
+
+
+@torch.library.impl(lib, "pack", "CompositeExplicitAutograd")
+def _pack(xs, numels, dtype):
+    return pack_into(xs[0].new_empty(sum(numels), dtype=dtype), xs, numels)
 
 
 @torch.library.register_fake("graphshard::pack")

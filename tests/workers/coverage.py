@@ -14,6 +14,8 @@ Each CASE is ``arch:strategy:lower`` (``tests/workers/hf_archs.py`` lists the ar
   the compiled backward to recompute (``explain``'s count of recomputed ops); with a further
   ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises; with
   ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint);
+- a flag ``nccl``: ``Plan(collectives="nccl")``, the collectives a GPU (NCCL) run issues, on gloo
+  (lowered by region, each unit's gather then runs in place, `lowering.InPlaceGather`);
 - a flag ``deep``: 4 blocks instead of 2, so that blocks repeat and are traced once
   (``trace_once``, ``graphshard.compiler.outline``); the result's ``trace_once`` is explain's line,
   ``dynamo_regions`` and ``dynamo_bodies`` what dynamo shared (``graphshard.compiler.regions``).
@@ -50,20 +52,20 @@ PER_RANK = 2
 TOL = 1e-5
 
 
-def plan_for(arch: str, strategy: str, model: torch.nn.Module, world: int):
+def plan_for(arch: str, strategy: str, model: torch.nn.Module, world: int, collectives: str = "auto"):
     """The plan and the data-parallel (world, rank) the batch is split over."""
     fsdp = {fqn: graphshard.FullyShard() for fqn in hf_archs.unit_fqns(model)}
     fsdp[""] = graphshard.FullyShard()
     if strategy == "fsdp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        return graphshard.Plan(mesh, fsdp), world, dist.get_rank()
+        return graphshard.Plan(mesh, fsdp, collectives=collectives), world, dist.get_rank()
     styles = hf_archs.tp_styles(arch, gtp)
     if strategy == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        return graphshard.Plan(mesh, styles), 1, 0
+        return graphshard.Plan(mesh, styles, collectives=collectives), 1, 0
     assert strategy == "fsdp_tp" and world == 4, "fsdp_tp runs on 4 ranks (a 2x2 mesh)"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return graphshard.Plan(mesh, {**styles, **fsdp}), 2, mesh.get_local_rank("dp")
+    return graphshard.Plan(mesh, {**styles, **fsdp}, collectives=collectives), 2, mesh.get_local_rank("dp")
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
@@ -100,7 +102,7 @@ def run_case(case: str) -> dict:
         if "nocache" in flags:
             ref.config.use_cache = False
     model = copy.deepcopy(ref)
-    plan, dp_world, dp_rank = plan_for(arch, strategy, model, world)
+    plan, dp_world, dp_rank = plan_for(arch, strategy, model, world, "nccl" if "nccl" in flags else "auto")
     if lower == "whole":
         graphshard.compile(model, plan, lower="inductor", regional=False)
     else:
