@@ -174,7 +174,8 @@ class Plan:
 
     - ``"auto"`` (default): by the backend of the axis's process group. NCCL (and any
       backend but gloo): the unit's shards packed into one bucket, one
-      ``all_gather_into_tensor``, unpacked; gradients packed rank-major, one
+      ``all_gather_into_tensor``, unpacked (lowered by Inductor, the pack writes this rank's
+      slot of the gathered buffer and the gather runs in place); gradients packed rank-major, one
       ``reduce_scatter_tensor`` (``avg``). gloo: one coalesced all-gather with an output
       per parameter, and the gradients' reduce-scatter as one all-to-all (gloo has no
       reduce-scatter of its own; see docs/design.md).

@@ -47,8 +47,9 @@ TWO_RANK = [
 FOUR_RANK = ["transformer:hybrid:inductor", "mlp:hybrid:eager", "transformer:hybrid:eager:nccl_forms"]
 # Ops a step runs (the worker's "ops"): NCCL's forms (Plan(collectives="nccl"), and on NCCL itself)
 # and gloo's (the default on gloo). c10d implements each functional collective by a ProcessGroup op.
-# The unit's gather: packed, then all-gathered; lowered by region, the pair runs in place (the
-# shards packed into this rank's slot of the gathered buffer, `lowering.InPlaceGather`).
+# The unit's gather: packed, then all-gathered; lowered by Inductor (by region or whole), the pair
+# runs in place: the shards packed into this rank's slot of the gathered buffer, which is gathered
+# into itself (`ops.dense.gather_in_place`).
 NCCL_FORMS = {"graphshard::unpack", "graphshard::pack_grads", "_c10d_functional::reduce_scatter_tensor",
               "graphshard::unpack_reduced"}
 PACKED_GATHER = {"graphshard::pack", "_c10d_functional::all_gather_into_tensor"}
@@ -104,8 +105,9 @@ def test_nccl_forms_run_on_gloo(two_rank_results, case):
     # The numerics above passed through NCCL's collectives: the step ran those and no gloo form.
     ops = set(two_rank_results[case]["ops"])
     assert NCCL_FORMS <= ops and not GLOO_FORMS & ops, sorted(ops)
-    # by region (inductor) the gather runs in place; whole and eager lowerings run the graph's pair
-    gather, other = (IN_PLACE_GATHER, PACKED_GATHER) if case.split(":")[2] == "inductor" else (PACKED_GATHER, IN_PLACE_GATHER)
+    # lowered by Inductor the gather runs in place; the eager lowering runs the graph's pair
+    in_place = case.split(":")[2] in ("inductor", "whole")
+    gather, other = (IN_PLACE_GATHER, PACKED_GATHER) if in_place else (PACKED_GATHER, IN_PLACE_GATHER)
     assert gather <= ops and not other & ops, sorted(ops)
 
 

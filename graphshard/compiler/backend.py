@@ -40,7 +40,7 @@ from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outli
 from graphshard.compiler.aten_trace import trace_to_aten
 from graphshard.compiler.regions import inline_regions
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
-from graphshard.compiler.lowering import lower_regions, plan_regions, whole_graph_reason
+from graphshard.compiler.lowering import fuse_packed_gathers, lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
 from graphshard.ops import ops
 from graphshard.ops.dense import compiling, decompositions
@@ -473,6 +473,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                         f.write(compiled_fn.describe() + "\n")
             else:
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
+                    g = fuse_packed_gathers(g)
                     compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
                         g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
@@ -564,7 +565,7 @@ def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, sh
             return lower_regions(g, is_backward=True, share=share, compiled=compiled, batch=config.batch_cpp_kernels,
                                  report_strides=False)[0]
         with inductor_cpu.batched_cpp_kernels(enabled=config.batch_cpp_kernels):
-            return _compat.inductor_compile_region(g, inputs, is_backward=True)
+            return _compat.inductor_compile_region(fuse_packed_gathers(g), inputs, is_backward=True)
 
 
 def _whole_graph_compile(g: fx.GraphModule, inputs, is_backward: bool, batch: bool):
@@ -704,7 +705,10 @@ def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, 
         share.done(digest)
 
 
-_LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\._c10d_functional\.(?P<op>\w+)\.default\((?P<arg>\w+)?")
+_LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\.(?:_c10d_functional\.(?P<op>\w+)|graphshard\.(?P<fused>"
+                           r"pack_gather))\.default\((?P<arg>\w+)?")
+"""A collective in Inductor's generated code: a functional collective, or the in-place gather
+(`lowering.fuse_packed_gathers`), which starts an ``all_gather_into_tensor``."""
 _LOWERED_ITEM = re.compile(r"^\s*(?P<out>\w+) = (?P<of>\w+)\[\d+\]\s*$")
 _LOWERED_COMPUTE = re.compile(r"^\s*extern_kernels\.(mm|addmm|bmm|baddbmm)\(")
 
@@ -720,13 +724,14 @@ def lowered_collective_order(source: str) -> list[str]:
     for line in body.splitlines():
         m = _LOWERED_CALL.match(line)
         if m:
-            if m["op"].endswith("_coalesced") and m["out"]:
+            op = m["op"] or "all_gather_into_tensor"
+            if op.endswith("_coalesced") and m["out"]:
                 coalesced.add(m["out"])
-            if m["op"] == "wait_tensor" and m["arg"] in item_of:
+            if op == "wait_tensor" and m["arg"] in item_of:
                 if item_of[m["arg"]] in waited:
                     continue
                 waited.add(item_of[m["arg"]])
-            events.append(collective_kind(m["op"]))
+            events.append(collective_kind(op))
         elif (item := _LOWERED_ITEM.match(line)) and item["of"] in coalesced:
             item_of[item["out"]] = item["of"]
         elif _LOWERED_COMPUTE.match(line):

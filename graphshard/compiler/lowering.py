@@ -43,7 +43,7 @@ from graphshard import _compat
 from graphshard.compiler import inductor_cpu
 from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
-from graphshard.ops.dense import pack_into
+from graphshard.ops.dense import gather_in_place, pack_into_slot, rank_in
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -430,7 +430,8 @@ class RegionalProgram:
         for step in steps:
             if isinstance(step, Region) and step.key:
                 names.setdefault(step.key, f"r{len(names)}")
-        in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in _gathers_in_place(steps)}
+        calls = {s for s in steps if isinstance(s, fx.Node)}
+        in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in packed_gathers(graph, calls)}
         packs = {gather.args[0]: run for gather, run in in_place.items()}
         for i, step in enumerate(steps):
             if isinstance(step, Region):
@@ -483,24 +484,35 @@ class RegionalProgram:
         return _resolve(self.outputs, env)
 
 
-def _gathers_in_place(steps: list[fx.Node | Region]) -> list[fx.Node]:
-    """The ``all_gather_into_tensor`` steps whose input is a ``graphshard::pack`` step that
-    nothing else reads: a unit's gather in the bucket form."""
-    calls = {s for s in steps if isinstance(s, fx.Node)}
-    return [s for s in steps if s in calls
-            and s.target is _compat.c10d.all_gather_into_tensor.default and s.args[0] in calls
-            and s.args[0].target is torch.ops.graphshard.pack.default and len(s.args[0].users) == 1]
+def packed_gathers(graph: fx.Graph, among: set[fx.Node] | None = None) -> list[fx.Node]:
+    """The ``all_gather_into_tensor`` nodes whose input is a ``graphshard::pack`` that nothing else
+    reads (a unit's gather in NCCL's form), in graph order; with ``among``, only pairs in it."""
+    return [n for n in graph.find_nodes(op="call_function", target=_compat.c10d.all_gather_into_tensor.default)
+            if n.args[0].target is torch.ops.graphshard.pack.default and len(n.args[0].users) == 1
+            and (among is None or (n in among and n.args[0] in among))]
+
+
+def fuse_packed_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """Each packed gather as one ``graphshard::pack_gather`` (`ops.dense`: the gather in place),
+    for a graph Inductor lowers whole. Run after every reader of the graph's collectives (the
+    collective check, the order listings): the op still starts an all-gather that the graph's
+    ``wait_tensor`` waits on, and explain's order of the generated code counts it as one."""
+    for gather in packed_gathers(gm.graph):
+        pack = gather.args[0]
+        with gm.graph.inserting_before(gather):
+            fused = gm.graph.call_function(torch.ops.graphshard.pack_gather.default, (*pack.args, *gather.args[1:3]))
+        fused.meta.update(gather.meta)
+        gather.replace_all_uses_with(fused)
+        gm.graph.erase_node(gather)
+        gm.graph.erase_node(pack)
+    gm.recompile()
+    return gm
 
 
 class InPlaceGather:
-    """A unit's ``pack`` and ``all_gather_into_tensor`` run as FSDP2 runs them (and as
-    Inductor's FSDP pass rewrites its own pair): the shards are packed straight into this
-    rank's slot of the gathered buffer, and the buffer is gathered in place
-    (``all_gather_into_tensor_out``). The graph keeps the functional pair, so the passes, the
-    goldens and the collective check see the same program; only its run changes. It saves the
-    packed input, a unit / world, which would otherwise live as long as the gather is in flight:
-    for a prefetched gather, across the compute it hides under (under activation checkpointing,
-    the unit's recomputation, where the backward's peak is)."""
+    """The regional program's run of a packed gather's two steps, in place (`ops.dense`'s
+    `pack_into_slot` and `gather_in_place`). The graph keeps the functional pair, so the passes,
+    the goldens and the collective check see the same program; only its run changes."""
 
     def __init__(self, world: int, group_name: str, rank: int | None = None):
         self.world, self.group_name = world, group_name
@@ -508,18 +520,14 @@ class InPlaceGather:
 
     def rank(self) -> int:
         if self._rank is None:
-            self._rank = _compat.group_ranks(self.group_name).index(torch.distributed.get_rank())
+            self._rank = rank_in(self.group_name)
         return self._rank
 
     def pack(self, xs: list[torch.Tensor], numels: list[int], dtype: torch.dtype) -> torch.Tensor:
-        n = sum(numels)
-        out = xs[0].new_empty(self.world * n, dtype=dtype)
-        pack_into(out.narrow(0, self.rank() * n, n), xs, numels)
-        return out
+        return pack_into_slot(xs, numels, dtype, self.world, self.rank())
 
     def gather(self, buf: torch.Tensor, world: int, group_name: str) -> torch.Tensor:
-        n = buf.numel() // world
-        return _compat.c10d.all_gather_into_tensor_out(buf.narrow(0, self.rank() * n, n), world, group_name, out=buf)
+        return gather_in_place(buf, world, self.rank(), group_name)
 
 
 def _short(node: fx.Node) -> str:

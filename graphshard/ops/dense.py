@@ -105,6 +105,7 @@ lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
 lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
+lib.define("pack_gather(Tensor[] xs, SymInt[] numels, ScalarType dtype, int world, str group_name) -> Tensor")
 
 
 def pack_into(out: torch.Tensor, xs: Sequence[torch.Tensor], numels: Sequence[int]) -> torch.Tensor:
@@ -127,6 +128,51 @@ def _pack(xs, numels, dtype):
 @torch.library.register_fake("graphshard::pack")
 def _pack_fake(xs, numels, dtype):
     return xs[0].new_empty(sum(numels), dtype=dtype)
+
+
+# The in-place gather: a unit's `pack` and `all_gather_into_tensor` run as FSDP2 runs them (and as
+# Inductor's FSDP pass rewrites its own pair). The shards are packed straight into this rank's slot
+# of the gathered buffer, which is gathered in place (`all_gather_into_tensor_out`), so the packed
+# input (a unit / world) is never a buffer of its own. It lives as long as the gather is in flight:
+# for a prefetched gather, across the compute the gather hides under (under activation
+# checkpointing, the unit's recomputation, where the backward's peak is). NCCL gathers in place
+# only when the input is this rank's slot of the output.
+_RANKS: dict[str, int] = {}
+
+
+def rank_in(group_name: str) -> int:
+    """This process's rank in the process group a functional collective names."""
+    if group_name not in _RANKS:
+        _RANKS[group_name] = _compat.group_ranks(group_name).index(torch.distributed.get_rank())
+    return _RANKS[group_name]
+
+
+def pack_into_slot(xs: Sequence[torch.Tensor], numels: Sequence[int], dtype: torch.dtype, world: int,
+                   rank: int) -> torch.Tensor:
+    """A new buffer of ``world`` slots with ``pack(xs, numels, dtype)`` in slot ``rank``."""
+    n = sum(numels)
+    out = xs[0].new_empty(world * n, dtype=dtype)
+    pack_into(out.narrow(0, rank * n, n), xs, numels)
+    return out
+
+
+def gather_in_place(buf: torch.Tensor, world: int, rank: int, group_name: str) -> torch.Tensor:
+    """Starts the all-gather of slot ``rank`` of ``buf`` into ``buf``; returns ``buf`` (to wait on)."""
+    n = buf.numel() // world
+    return c10d.all_gather_into_tensor_out(buf.narrow(0, rank * n, n), world, group_name, out=buf)
+
+
+@torch.library.impl(lib, "pack_gather", "CompositeExplicitAutograd")
+def _pack_gather(xs, numels, dtype, world, group_name):
+    """`pack` then `all_gather_into_tensor`, in place; the result is waited like theirs. The rank is
+    looked up when it runs, so that every rank compiles the same graph."""
+    rank = rank_in(group_name)
+    return gather_in_place(pack_into_slot(xs, numels, dtype, world, rank), world, rank, group_name)
+
+
+@torch.library.register_fake("graphshard::pack_gather")
+def _pack_gather_fake(xs, numels, dtype, world, group_name):
+    return xs[0].new_empty(world * sum(numels), dtype=dtype)
 
 
 @torch.library.impl(lib, "unpack", "CompositeExplicitAutograd")
