@@ -50,7 +50,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch.ops._c10d_functional.all_gather_into_tensor.default",
      "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor_out.default",
-     "graphshard/compiler/lowering.py InPlaceGather (_compat.c10d)"),
+     "graphshard/ops/dense.py gather_in_place (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_gather_into_tensor_coalesced.default",
      "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.reduce_scatter_tensor.default",
@@ -173,7 +173,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     # torch.distributed, DTensor, FSDP1
     ("torch.distributed.distributed_c10d._get_default_store",
      "backend.py (_compat.default_store: compile sharing), collective_check.py"),
-    ("torch.distributed.distributed_c10d._resolve_process_group", "collective_check.py (_compat.group_ranks)"),
+    ("torch.distributed.distributed_c10d._resolve_process_group",
+     "collective_check.py, ops/dense.py, compiler/lowering.py (_compat.group_ranks, _compat.group_rank)"),
     ("torch.distributed.device_mesh._mesh_resources.get_current_mesh", "tensor_parallel.py (_compat.current_mesh)"),
     ("torch.distributed.tensor.placement_types._StridedShard", "storage.py (_compat.strided_shard: FSDP over TP)"),
     ("torch.distributed.tensor.placement_types._StridedShard(split_factor=)", "storage.py (_compat.strided_shard)"),

@@ -254,6 +254,13 @@ def group_ranks(group_name: str) -> list[int]:
     return torch.distributed.get_process_group_ranks(_resolve_process_group(group_name))
 
 
+def group_rank(group_name: str) -> int:
+    """This process's rank in the process group a functional collective names."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return torch.distributed.get_rank(_resolve_process_group(group_name))
+
+
 def boxed_nop(gm: torch.fx.GraphModule, example_inputs) -> Callable:
     """The 'eager' lowering: run the graph module as is, in aot_autograd's boxed convention."""
     from torch._functorch.aot_autograd import make_boxed_func

@@ -23,6 +23,9 @@ runs out of time does not stop the others; its partial figures are kept):
                   the sparse plan and TorchRec's DLRM under DMP at world 1 (NCCL) against plain torch
 7. ``throughput`` 8 layers, dim 1024: graphshard vs FSDP2 + torch.compile, tokens/s and peak memory;
                   a kernel profile of each (where a gap goes) and graphshard with ``regional=False``
+8. ``ac``         8 layers, full AC and none: graphshard vs FSDP2 + torch.compile per block, activation
+                  memory and the AC step overhead (issue 29; outside the default budget:
+                  ``--budget 200 --sections ac``)
 
 The overall limit (``--budget``, default 480 s; the dry run's is larger) is shared: a section may
 use what earlier ones left, but never the time the later sections' own budgets need; a section
@@ -57,6 +60,7 @@ SECTIONS = [
     ("world4", "check_world4", "FSDP + TP and sharded embeddings at world 4 (fake process group)", 120, 600,
      {"TRITON_INTERPRET": "1"}),
     ("throughput", "check_throughput", "throughput: graphshard vs FSDP2 + torch.compile", 140, 500, {}),
+    ("ac", "check_ac", "activation checkpointing: activation memory vs FSDP2 + torch.compile per block", 150, 600, {}),
 ]
 GRACE_S = 5.0  # a section's own deadline is this much before it is killed: time to write what it has
 

@@ -705,8 +705,8 @@ def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, 
         share.done(digest)
 
 
-_LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\.(?:_c10d_functional\.(?P<op>\w+)|graphshard\.(?P<fused>"
-                           r"pack_gather))\.default\((?P<arg>\w+)?")
+_LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\."
+                           r"(?:_c10d_functional\.(?P<op>\w+)|graphshard\.pack_gather)\.default\((?P<arg>\w+)?")
 """A collective in Inductor's generated code: a functional collective, or the in-place gather
 (`lowering.fuse_packed_gathers`), which starts an ``all_gather_into_tensor``."""
 _LOWERED_ITEM = re.compile(r"^\s*(?P<out>\w+) = (?P<of>\w+)\[\d+\]\s*$")

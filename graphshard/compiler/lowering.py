@@ -43,7 +43,7 @@ from graphshard import _compat
 from graphshard.compiler import inductor_cpu
 from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
-from graphshard.ops.dense import gather_in_place, pack_into_slot, rank_in
+from graphshard.ops.dense import gather_in_place, pack_into_slot
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "graphshard"})
 _MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
@@ -520,7 +520,7 @@ class InPlaceGather:
 
     def rank(self) -> int:
         if self._rank is None:
-            self._rank = rank_in(self.group_name)
+            self._rank = _compat.group_rank(self.group_name)
         return self._rank
 
     def pack(self, xs: list[torch.Tensor], numels: list[int], dtype: torch.dtype) -> torch.Tensor:

@@ -137,16 +137,6 @@ def _pack_fake(xs, numels, dtype):
 # for a prefetched gather, across the compute the gather hides under (under activation
 # checkpointing, the unit's recomputation, where the backward's peak is). NCCL gathers in place
 # only when the input is this rank's slot of the output.
-_RANKS: dict[str, int] = {}
-
-
-def rank_in(group_name: str) -> int:
-    """This process's rank in the process group a functional collective names."""
-    if group_name not in _RANKS:
-        _RANKS[group_name] = _compat.group_ranks(group_name).index(torch.distributed.get_rank())
-    return _RANKS[group_name]
-
-
 def pack_into_slot(xs: Sequence[torch.Tensor], numels: Sequence[int], dtype: torch.dtype, world: int,
                    rank: int) -> torch.Tensor:
     """A new buffer of ``world`` slots with ``pack(xs, numels, dtype)`` in slot ``rank``."""
@@ -166,7 +156,7 @@ def gather_in_place(buf: torch.Tensor, world: int, rank: int, group_name: str) -
 def _pack_gather(xs, numels, dtype, world, group_name):
     """`pack` then `all_gather_into_tensor`, in place; the result is waited like theirs. The rank is
     looked up when it runs, so that every rank compiles the same graph."""
-    rank = rank_in(group_name)
+    rank = _compat.group_rank(group_name)
     return gather_in_place(pack_into_slot(xs, numels, dtype, world, rank), world, rank, group_name)
 
 
