@@ -279,6 +279,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "graphshard_post": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(backward_prefetch="post")),
     "graphshard_nccl": lambda m, mesh, lr: build_graphshard(m, mesh, lr, plan_kwargs=dict(collectives="nccl")),
     "graphshard_flat_trace": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(trace_once=False)),
+    "graphshard_fast": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(batch_cpp_kernels=True, fast_isa_check=True)),
     "graphshard_comm": build_graphshard_comm,
     "graphshard_auto": build_graphshard_auto,
     "local_compile": build_local_compile,

@@ -430,8 +430,7 @@ class RegionalProgram:
         for step in steps:
             if isinstance(step, Region) and step.key:
                 names.setdefault(step.key, f"r{len(names)}")
-        calls = {s for s in steps if isinstance(s, fx.Node)}
-        in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in packed_gathers(graph, calls)}
+        in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in packed_gathers(graph)}
         packs = {gather.args[0]: run for gather, run in in_place.items()}
         for i, step in enumerate(steps):
             if isinstance(step, Region):
@@ -484,12 +483,12 @@ class RegionalProgram:
         return _resolve(self.outputs, env)
 
 
-def packed_gathers(graph: fx.Graph, among: set[fx.Node] | None = None) -> list[fx.Node]:
+def packed_gathers(graph: fx.Graph) -> list[fx.Node]:
     """The ``all_gather_into_tensor`` nodes whose input is a ``graphshard::pack`` that nothing else
-    reads (a unit's gather in NCCL's form), in graph order; with ``among``, only pairs in it."""
+    reads (a unit's gather in NCCL's form), in graph order. Both are communication steps
+    (`is_communication`), so a regional program runs each of them as a call of its own."""
     return [n for n in graph.find_nodes(op="call_function", target=_compat.c10d.all_gather_into_tensor.default)
-            if n.args[0].target is torch.ops.graphshard.pack.default and len(n.args[0].users) == 1
-            and (among is None or (n in among and n.args[0] in among))]
+            if n.args[0].target is torch.ops.graphshard.pack.default and len(n.args[0].users) == 1]
 
 
 def fuse_packed_gathers(gm: fx.GraphModule) -> fx.GraphModule:
