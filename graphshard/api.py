@@ -10,7 +10,7 @@ import torch.nn as nn
 from graphshard.compiler import regions
 from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
-from graphshard.compiler.explain import explain
+from graphshard.compiler.explain import explain, timing_compiles
 from graphshard.plan import Plan
 from graphshard import _compat
 from graphshard.storage import counting_compiled_calls, shard, state_of
@@ -62,6 +62,7 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     if state.dynamo_regions:
         _compat.wrap_compiled_call(module, regions.retrying_unmarked(state.dynamo_regions, lambda: len(state.explain)))
+    _compat.wrap_compiled_call(module, timing_compiles(state.explain))  # outermost: a retried trace counts too
     return module
 
 

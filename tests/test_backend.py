@@ -61,6 +61,27 @@ def test_torch_compile_by_backend_name_on_a_prepared_model():
     assert any(c.kind == "all_gather" for c in model._graphshard.explain[0].collectives)
 
 
+def test_explain_splits_the_compiling_call_into_dynamo_backend_and_first_run():
+    # The call that compiles a graph is dynamo's own work (trace, guards), the backend's and the
+    # compiled graph's first run. explain keeps the three apart, and together they are the call's
+    # time measured here, outside graphshard.
+    import time
+
+    model = mlp()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    start = time.perf_counter()
+    model(torch.randn(4, 16)).sum().backward()
+    wall = time.perf_counter() - start
+    (report,) = model._graphshard.explain
+    dynamo = report.compile_seconds["dynamo"]
+    assert dynamo > 0 and report.backend_seconds > 0 and report.first_run_seconds > 0
+    assert report.compile_seconds["trace_to_aten"] < report.backend_seconds  # a phase of the backend
+    assert dynamo + report.backend_seconds + report.first_run_seconds <= wall
+    assert "dynamo " in graphshard.explain(model)
+    model(torch.randn(4, 16)).sum().backward()  # no compile: nothing changes
+    assert report.compile_seconds["dynamo"] == dynamo and len(model._graphshard.explain) == 1
+
+
 class TestExplainAndMixedPrecision(TestCase):
     def test_explain_report(self):
         model = stack()
