@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import torch
 from expecttest import TestCase
@@ -65,8 +66,6 @@ def test_explain_splits_the_compiling_call_into_dynamo_backend_and_first_run():
     # The call that compiles a graph is dynamo's own work (trace, guards), the backend's and the
     # compiled graph's first run. explain keeps the three apart, and together they are the call's
     # time measured here, outside graphshard.
-    import time
-
     model = mlp()
     graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
     start = time.perf_counter()

@@ -119,7 +119,8 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
 def _first_run_timed(fn: Callable, report: GraphReport) -> Callable:
     """``fn`` (what the backend returns to dynamo), with its first call's seconds kept in ``report``:
     the model's compiled call subtracts them, with the backend's, from the call that compiled, and
-    what is left is dynamo's own time (`storage.timing_compiles`). Later calls pay one flag test."""
+    what is left is dynamo's own time (`explain.timing_compiles`). Later calls pay one Python call
+    and a flag test."""
     pending = True
 
     @functools.wraps(fn)  # keeps the calling convention dynamo reads from fn (``_boxed_call``)
