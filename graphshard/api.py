@@ -13,7 +13,7 @@ from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain, timing_compiles
 from graphshard.plan import Plan
 from graphshard import _compat
-from graphshard.storage import counting_compiled_calls, shard, state_of
+from graphshard.storage import counting_compiled_calls, feeding_local_shards, shard, state_of
 
 
 def compile(
@@ -59,6 +59,7 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     if config.trace_once and not state.dynamo_regions:
         state.dynamo_regions = regions.mark_repeated_units(root, state)
     module.compile(backend=make_backend(state, config))
+    _compat.wrap_compiled_call(module, feeding_local_shards(root, state))  # dynamo sees plain local shards
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     if state.dynamo_regions:
         _compat.wrap_compiled_call(module, regions.retrying_unmarked(state.dynamo_regions, lambda: len(state.explain)))

@@ -198,6 +198,8 @@ class ShardedModel:
     dynamo_regions: Any = None  # the repeated units dynamo traces once, or why not (compiler.regions.RegionMarks)
     eager_reads: dict = field(default_factory=dict)   # key -> where a frame run eagerly in a compiled call read it
     sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
+    fed_locals: dict = field(default_factory=dict)    # id(local shard) -> its DTensor, during a compiled call
+                                                      # (`storage.feeding_local_shards`)
 
     def __repr__(self) -> str:  # short: a backend bound to it (functools.partial) shows it in dynamo's errors
         return (f"ShardedModel(model_id={self.model_id}, {len(self.params)} parameters, units={list(self.units)}, "
@@ -210,9 +212,12 @@ class ShardedModel:
         raise KeyError(fqn)
 
     def keys_by_object(self) -> dict[int, str]:
-        """Each parameter's key by the identity of the DTensor its module holds now."""
+        """Each parameter's key by the identity of the DTensor its module holds now, and of the local
+        shard this compiled call handed dynamo for it (`fed_locals`)."""
         held = ((p.owner[0]._parameters.get(p.owner[1]), p.key) for p in self.params.values() if p.owner is not None)
-        return {id(t): key for t, key in held if t is not None}
+        keys = {id(t): key for t, key in held if t is not None}
+        keys.update({shard: keys[id(d)] for shard, d in self.fed_locals.items() if id(d) in keys})
+        return keys
 
     def owns(self, key: str) -> bool:
         """Whether ``key`` (a parameter's or a declared layout's) names something of this model."""

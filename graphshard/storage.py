@@ -2,7 +2,8 @@
 
 The model is changed in place, as torch's ``fully_shard`` does: each module that
 holds a parameter gets a dynamic subclass whose property of that name returns
-``graphshard::param(p.to_local(), key, logical_shape)``. ``named_parameters()``,
+``graphshard::param(local, key, logical_shape)`` in a forward, where ``local`` is the local shard
+(handed to dynamo as a plain tensor by `feeding_local_shards`). ``named_parameters()``,
 ``state_dict()`` and optimizers read ``_parameters`` and so see the user's FQNs
 holding sharded DTensors. A parameter reachable under several FQNs (shared
 module, tied weights) is one object, sharded once, and every FQN points at it.
@@ -294,7 +295,12 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
     mod.__class__ = sub
     if markers:
         mod._graphshard_markers = markers
-        mod._graphshard_traced = {name: (sharding.traced_key(key), dtype) for name, (key, dtype) in markers.items()}
+        shapes = {**mod.__dict__.get("_graphshard_shapes", {}),
+                  **{name: tuple(r.logical_shape) for name, r in params.items() if r.slot is None}}
+        mod._graphshard_shapes = shapes
+        mod._graphshard_traced = {name: (sharding.traced_key(key), dtype, shapes[name])
+                                  for name, (key, dtype) in markers.items()}
+        mod.__dict__.setdefault("_graphshard_locals", {})  # filled for each compiled call (`feeding_local_shards`)
     if flat:
         mod._graphshard_flat = flat
 
@@ -338,13 +344,18 @@ def _counted_forward(base: type):
 
 def _marker_getter(name: str):
     def get(self):
+        if torch.compiler.is_compiling():
+            # traced, the marker carries its model and not its FQN (the backend reads the key from the
+            # tensor it wraps): every repeated block reads the same values here, so dynamo reuses one
+            # block's trace for all of them (`compiler.regions`)
+            fed = self._graphshard_locals
+            if name in fed:  # the call's local shard, a plain tensor: dynamo never sees the DTensor
+                key, dtype, shape = self._graphshard_traced[name]
+                return ops.param(fed[name], key, shape, dtype)
         p = self._parameters[name]
         if isinstance(p, DTensor):
-            if torch.compiler.is_compiling():
-                # traced, the marker carries its model and not its FQN (the backend reads the key from
-                # the DTensor it wraps): every repeated block reads the same values here, so dynamo
-                # reuses one block's trace for all of them (`compiler.regions`)
-                key, dtype = self._graphshard_traced[name]
+            if torch.compiler.is_compiling():  # compiled by name, without graphshard's call wrapper
+                key, dtype, _ = self._graphshard_traced[name]
                 return ops.param(p.to_local(), key, p.shape, dtype)
             key, dtype = self._graphshard_markers[name]
             if _gathered_read(key):
@@ -420,6 +431,48 @@ def counting_compiled_calls(call):
             _forward.compiled -= 1
 
     return compiled_call
+
+
+def feeding_local_shards(root: nn.Module, model: ShardedModel):
+    """A wrapper of ``root``'s compiled call that hands dynamo each sharded parameter's local shard as
+    a plain tensor (the getters read it from the module's ``_graphshard_locals``), so that dynamo
+    guards a tensor per parameter, in C++, instead of a DTensor (a Python spec check and a device-mesh
+    aliasing check each). All the shards come through one autograd node (`_compat.local_tensors`),
+    whose backward gives each DTensor parameter its gradient; the tables are emptied after the call."""
+    sites: list[tuple[nn.Module, str]] = []
+
+    def wrap(call):
+        @functools.wraps(call)
+        def compiled_call(*args, **kwargs):
+            if not sites:
+                sites.extend((m, name) for m in root.modules() for name in m.__dict__.get("_graphshard_markers", ()))
+            fed = _feed(sites, model)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                for table in fed:
+                    table.clear()
+                model.fed_locals = {}
+
+        return compiled_call
+
+    return wrap
+
+
+def _feed(sites: list[tuple[nn.Module, str]], model: ShardedModel) -> list[dict]:
+    dtensors, index, placed = [], {}, []
+    for mod, name in sites:
+        p = mod._parameters.get(name)
+        if isinstance(p, DTensor):
+            i = index.setdefault(id(p), len(dtensors))
+            if i == len(dtensors):
+                dtensors.append(p)
+            placed.append((mod.__dict__["_graphshard_locals"], name, i))
+    shards = _compat.local_tensors(dtensors)
+    for table, name, i in placed:
+        table[name] = shards[i]
+    model.fed_locals = {id(s): d for s, d in zip(shards, dtensors)}
+    return list({id(t): t for t, _, _ in placed}.values())
 
 
 class _ForwardDepth(threading.local):

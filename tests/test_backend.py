@@ -164,6 +164,34 @@ def test_dtensor_boundary_gives_each_parameter_its_gradient_as_a_dtensor():
     check(expected_value=False)
 
 
+def test_graphshard_compile_hands_dynamo_plain_local_shards():
+    # graphshard's call wrapper feeds the getters each parameter's local shard, so dynamo guards
+    # plain tensors; compiled by name, dynamo gets the DTensors and explain says so. Both give the
+    # same loss and gradients, and the fed shards are let go after the call.
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()})
+    fed, by_name = mlp(), graphshard.shard(mlp(), plan)
+    graphshard.compile(fed, plan, lower="eager")
+    compiled_by_name = torch.compile(by_name, backend="graphshard", options={"lower": "eager"})
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        losses = [m(x).square().mean() for m in (fed, compiled_by_name)]
+        for loss in losses:
+            loss.backward()
+    assert torch.isfinite(losses[0]) and torch.equal(losses[0], losses[1])
+    for (name, p), q in zip(fed.named_parameters(), by_name.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad.to_local()).all(), name
+        assert torch.equal(p.grad.to_local(), q.grad.to_local()), name
+    as_dtensors = [[n for n in r.notes if "reached dynamo as DTensors" in n] for m in (fed, by_name)
+                   for r in m._graphshard.explain]
+    assert as_dtensors == [[], [f"{len(list(by_name.parameters()))} parameter input(s) reached dynamo as DTensors "
+                                "(a model compiled by name, or a separately sharded submodule): dynamo checks each "
+                                "one's spec and mesh in Python at every call; graphshard.compile and the frontends "
+                                "hand dynamo plain local shards"]]
+    assert len(fed._graphshard.explain) == 1  # the second step compiled nothing: the fed shards pass the guards
+    assert fed._graphshard.fed_locals == {}
+    assert all(not m.__dict__.get("_graphshard_locals") for m in fed.modules())
+
+
 class _LearnedBiasAttention(torch.nn.Module):
     """Attention whose mask is a learned bias (T5's relative position bias): a mask that
     requires grad."""

@@ -1,11 +1,12 @@
 """The torch.compile backend: ``torch.compile(model, backend="graphshard")``.
 
-Dynamo hands over a graph in torch IR whose sharded parameters are DTensor
-inputs read through ``to_local()`` and the ``graphshard::param`` marker. The
-backend
+Dynamo hands over a graph in torch IR whose sharded parameters are inputs read through the
+``graphshard::param`` marker: the local shards graphshard's call wrapper fed the getters
+(`storage.feeding_local_shards`), or, in a model compiled by name, DTensor inputs read through
+``to_local()``. The backend
 
-1. moves the DTensor boundary outside the graph (the compiled callable takes
-   local shards; ``to_local`` runs eagerly, so gradients land on the DTensors);
+1. moves any DTensor boundary outside the graph (the compiled callable takes local shards;
+   ``to_local`` runs eagerly, so gradients land on the DTensors);
 2. traces the graph to ATen with fake tensors of logical shape, each distinct repeated block's
    body once (`aten_trace`), and puts each parameter marker's key back;
 3. runs the pre-autograd passes (logical program -> per-rank SPMD program);
@@ -80,6 +81,11 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
     t0 = time.perf_counter()
     prepared = prepare(gm, example_inputs, config, models)
     t1 = time.perf_counter()
+    if prepared.dtensor_positions:
+        prepared.ctx.report.notes.append(
+            f"{len(prepared.dtensor_positions)} parameter input(s) reached dynamo as DTensors (a model compiled by "
+            "name, or a separately sharded submodule): dynamo checks each one's spec and mesh in Python at every "
+            "call; graphshard.compile and the frontends hand dynamo plain local shards")
     traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     t2 = time.perf_counter()
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
@@ -193,7 +199,8 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     calls, bodies = inline_regions(gm, keep_calls=True)
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
-    fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
+    fed = {shard: d for m in models for shard, d in m.fed_locals.items()}
+    fake_inputs = [_fake_local(x, fake_mode, fed.get(id(x))) for x in example_inputs]
     if any(lookup_args(n) for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes):
         # a sequence lookup's output sizes are the data's
         _compat.allow_data_dependent_sizes(fake_mode)
@@ -329,8 +336,9 @@ def _strip_to_local(gm: fx.GraphModule, dtensors: list[fx.Node], in_body: bool =
 
 def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], models: tuple[ShardedModel, ...]) -> None:
     """Puts in each marker traced with its model's key only (`sharding.traced_key`) the key of the
-    parameter it reads: found from the DTensor graph input the marker reads (through views). ``names``
-    are dynamo's names of the inputs, for errors."""
+    parameter it reads: found from the graph input the marker reads (through views), the DTensor
+    parameter or the local shard graphshard's call wrapper handed dynamo for it
+    (`storage.feeding_local_shards`). ``names`` are dynamo's names of the inputs, for errors."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {ph: i for i, ph in enumerate(placeholders)}
     keys = _ParamKeys(models)
@@ -338,7 +346,7 @@ def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], m
     for marker in traced:
         source = outline.view_base(marker.args[0])
         value = example_inputs[index[source]] if source in index else None
-        if not isinstance(value, DTensor):
+        if not isinstance(value, torch.Tensor):
             raise ValueError(
                 f"node {marker.name!r} reads graphshard's parameter marker ({marker.args[1]!r}) of "
                 f"{names[index[source]] if source in index else source.name!r}, "
@@ -351,7 +359,7 @@ def _resolve_traced_keys(gm: fx.GraphModule, example_inputs, names: list[str], m
 
 
 class _ParamKeys:
-    """Parameter keys by the DTensor object, per model, built on first use."""
+    """Parameter keys by the DTensor object or the local shard fed for it, per model, built on first use."""
 
     def __init__(self, models: tuple[ShardedModel, ...]):
         self.models, self.by_model = models, {}
@@ -365,9 +373,9 @@ class _ParamKeys:
         key = self.by_model[model.model_id].get(id(tensor))
         if key is None:
             raise ValueError(
-                f"node {node.name!r} reads a DTensor through graphshard's parameter marker ({traced!r}) that no "
-                "module of its sharded model holds: the marker is graphshard's own, read only through a sharded "
-                "module's parameter attribute"
+                f"node {node.name!r} reads a tensor through graphshard's parameter marker ({traced!r}) that is no "
+                "parameter a module of its sharded model holds, nor its local shard: the marker is graphshard's own, "
+                "read only through a sharded module's parameter attribute"
             )
         return key
 
@@ -398,7 +406,13 @@ def _body_call(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple] | None:
     return (first.target, operands) if len(inputs) == len(operands) else None
 
 
-def _fake_local(x, fake_mode):
+def _fake_local(x, fake_mode, fed_for: DTensor | None = None):
+    """The fake of graph input ``x``: of a DTensor's local shard, or of a plain tensor. A local shard
+    graphshard's call wrapper handed dynamo (``fed_for``: its DTensor) is a fresh alias, which the
+    fake mode would rebuild as a view of its base (about 2 ms a parameter); it is converted as the
+    DTensor's, with the alias's ``requires_grad``."""
+    if fed_for is not None:
+        return _compat.fake_local(fed_for, fake_mode).requires_grad_(x.requires_grad)
     if isinstance(x, DTensor):
         return _compat.fake_local(x, fake_mode)
     if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
