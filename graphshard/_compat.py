@@ -346,7 +346,10 @@ class _LocalTensors(torch.autograd.Function):
     def forward(ctx, *dtensors):
         ctx.specs = [d._spec for d in dtensors]
         # A fresh alias: autograd writes its metadata into the output, not into the DTensor's tensor.
-        outs = tuple(d._local_tensor.view_as(d._local_tensor) for d in dtensors)
+        # ``detach()``, not a view: dynamo and the fake mode convert a view input as a view of its
+        # base, about 1 ms a parameter more (`storage.feeding_local_shards`); the version counter is
+        # shared all the same.
+        outs = tuple(d._local_tensor.detach() for d in dtensors)
         ctx.mark_non_differentiable(*(o for o, d in zip(outs, dtensors) if not d.requires_grad))
         return outs
 

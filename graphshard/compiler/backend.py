@@ -199,8 +199,7 @@ def prepare(gm: fx.GraphModule, example_inputs, config: CompileConfig,
     calls, bodies = inline_regions(gm, keep_calls=True)
     dtensor_positions = _strip_dtensor_boundary(gm, example_inputs)
     fake_mode = _compat.fake_mode_of(example_inputs)
-    fed = {shard: d for m in models for shard, d in m.fed_locals.items()}
-    fake_inputs = [_fake_local(x, fake_mode, fed.get(id(x))) for x in example_inputs]
+    fake_inputs = [_fake_local(x, fake_mode) for x in example_inputs]
     if any(lookup_args(n) for g in gm.modules() if isinstance(g, fx.GraphModule) for n in g.graph.nodes):
         # a sequence lookup's output sizes are the data's
         _compat.allow_data_dependent_sizes(fake_mode)
@@ -406,13 +405,9 @@ def _body_call(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple] | None:
     return (first.target, operands) if len(inputs) == len(operands) else None
 
 
-def _fake_local(x, fake_mode, fed_for: DTensor | None = None):
-    """The fake of graph input ``x``: of a DTensor's local shard, or of a plain tensor. A local shard
-    graphshard's call wrapper handed dynamo (``fed_for``: its DTensor) is a fresh alias, which the
-    fake mode would rebuild as a view of its base (about 2 ms a parameter); it is converted as the
-    DTensor's, with the alias's ``requires_grad``."""
-    if fed_for is not None:
-        return _compat.fake_local(fed_for, fake_mode).requires_grad_(x.requires_grad)
+def _fake_local(x, fake_mode):
+    """The fake of graph input ``x``: of a DTensor's local shard, or of a plain tensor (dynamo's own
+    fake of it, a local shard graphshard's call wrapper fed included)."""
     if isinstance(x, DTensor):
         return _compat.fake_local(x, fake_mode)
     if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
