@@ -295,11 +295,9 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
     mod.__class__ = sub
     if markers:
         mod._graphshard_markers = markers
-        shapes = {**mod.__dict__.get("_graphshard_shapes", {}),
-                  **{name: tuple(r.logical_shape) for name, r in params.items() if r.slot is None}}
-        mod._graphshard_shapes = shapes
-        mod._graphshard_traced = {name: (sharding.traced_key(key), dtype, shapes[name])
-                                  for name, (key, dtype) in markers.items()}
+        mod._graphshard_traced = {**mod.__dict__.get("_graphshard_traced", {}),
+                                  **{name: (sharding.traced_key(r.key), r.param_dtype, tuple(r.logical_shape))
+                                     for name, r in params.items() if r.slot is None}}
         mod.__dict__.setdefault("_graphshard_locals", {})  # filled for each compiled call (`feeding_local_shards`)
     if flat:
         mod._graphshard_flat = flat
