@@ -165,6 +165,19 @@ def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_back
         return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph | None = None,
+                      class_name: str = "GraphModule") -> torch.fx.GraphModule:
+    """A graph module that generates its Python code only when something reads or runs it (torch's
+    ``_LazyGraphModule``, which Inductor and aot_autograd use for the same reason): graphshard edits
+    and recompiles its flat graphs several times before anything runs them, and a regionally
+    lowered graph is never run as code. With ``graph`` None, ``root`` itself (already lazy: as is)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if graph is None:
+        return _LazyGraphModule.from_graphmodule(root)
+    return _LazyGraphModule(root, graph, class_name=class_name)
+
+
 def report_output_strides(gm: torch.fx.GraphModule) -> None:
     """Tells aot_autograd the strides of a graph lowered in pieces, as Inductor reports them
     for a graph it compiled whole (aot_autograd restrides saved activations with them)."""

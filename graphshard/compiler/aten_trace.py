@@ -240,4 +240,4 @@ def _renamed(gm: fx.GraphModule) -> fx.GraphModule:
                 graph.erase_node(new)
         else:
             env[node] = graph.node_copy(node, env.__getitem__)
-    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
+    return _compat.lazy_graph_module(gm, graph, class_name=type(gm).__name__)  # the passes edit it before it runs

@@ -466,7 +466,9 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         regions = recompute.regions(joint)
         untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
-        fw, bw = outline.inline_calls(fw, outlined), outline.inline_calls(bw, outlined)
+        # lazy code generation: the passes recompile them, and regional lowering never runs them as code
+        # (aot_autograd's lazy backward deep-copies the backward, which regenerates a plain module's code)
+        fw, bw = (_compat.lazy_graph_module(outline.inline_calls(g, outlined)) for g in (fw, bw))
         if regions:
             ctx.report.recompute = _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx)
         ctx.stage = "forward"
