@@ -86,8 +86,9 @@ def _wait_every_output(start: fx.Node) -> None:
             w.meta.update(g.meta)
 
 
-def _exclusive_prep(start: fx.Node) -> list[fx.Node]:
-    """The layout ops that exist only to build ``start``'s input (casts, pads, the bucket's cat)."""
+def _exclusive_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
+    """The layout ops that exist only to build ``start``'s input (casts, pads, the bucket's cat),
+    in graph order (``index``)."""
     prep: set[fx.Node] = set()
     stack = list(start.all_input_nodes)
     while stack:
@@ -97,7 +98,7 @@ def _exclusive_prep(start: fx.Node) -> list[fx.Node]:
         if all(u is start or u in prep for u in n.users):
             prep.add(n)
             stack.extend(n.all_input_nodes)
-    return [n for n in start.graph.nodes if n in prep]
+    return sorted(prep, key=index.__getitem__)
 
 
 def unit_name(node: fx.Node, fallback: str) -> str:
@@ -140,7 +141,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                                          or n.target == _WAIT else 0.5)
         elif _STARTS[s.target] in _REDUCTIONS and ctx.stage == "backward":
             w = waits[s][0]
-            for n in _exclusive_prep(s) + [s]:
+            for n in _exclusive_prep(s, index) + [s]:
                 key[n] = -math.inf
             key[w] = math.inf
     if ctx.stage == "backward":
@@ -231,7 +232,7 @@ def _place_gathers(gathers, mode, limit, starts, waits, uses, first_use, index, 
     program only: an ordering edge never pushes it (and the compute that needs it) later."""
     prefetch = mode is not None and limit != 1
     for k, ag in enumerate(gathers):
-        chain = _exclusive_prep(ag) + [ag]
+        chain = _exclusive_prep(ag, index) + [ag]
         roots = [n for n in chain if not any(a in chain for a in n.all_input_nodes)]
 
         def earlier(nodes, ag=ag):
@@ -249,14 +250,14 @@ def _place_gathers(gathers, mode, limit, starts, waits, uses, first_use, index, 
         if a < 0:
             continue  # no anchor: issued as soon as its inputs exist
         anchor = gathers[a]
-        reductions = _first_reductions(anchor, starts, waits)  # none in a forward graph
+        reductions = _first_reductions(anchor, starts, waits, index)  # none in a forward graph
         if mode == "pre":
             _add_deps(roots, waits[anchor], extra_deps)
         else:
-            grads = [x for r in reductions for x in _inputs(_exclusive_prep(r) + [r])]
+            grads = [x for r in reductions for x in _inputs(_exclusive_prep(r, index) + [r])]
             _add_deps(roots, earlier(uses[anchor] + grads), extra_deps)
         for r in reductions:  # FSDP1 issues the prefetch before the current unit's reduction
-            rchain = _exclusive_prep(r) + [r]
+            rchain = _exclusive_prep(r, index) + [r]
             _add_deps([n for n in rchain if not any(x in rchain for x in n.all_input_nodes)], [ag], extra_deps)
 
 
@@ -264,19 +265,33 @@ def _unit_of(node: fx.Node):
     return (node.meta.get("custom") or {}).get("graphshard_unit")
 
 
-def _first_reductions(gather: fx.Node, starts: list[fx.Node], waits: dict) -> list[fx.Node]:
+def _first_reductions(gather: fx.Node, starts: list[fx.Node], waits: dict, index: dict[fx.Node, int]) -> list[fx.Node]:
     """The gradient reductions of ``gather``'s unit that read its gradients themselves (the
     reduce-scatter or all-to-all, not hybrid sharding's all-reduce of what it returns)."""
     unit = _unit_of(gather)
     if unit is None:
         return []
     reds = [s for s in starts if _STARTS[s.target] in _REDUCTIONS and waits[s] and _unit_of(s) == unit]
-    first = []
-    for r in reds:
-        before = set(_ancestors(r))
-        if not any(o in before for o in reds):
-            first.append(r)
-    return first
+    return [r for r in reds if not _reads_from(r, [o for o in reds if o is not r], index)]
+
+
+def _reads_from(node: fx.Node, sources: list[fx.Node], index: dict[fx.Node, int]) -> bool:
+    """Whether ``node`` depends by data on one of ``sources``. The graph's order is topological, so
+    a path from a source passes only nodes at or after it: the search stops below the earliest
+    source, and stays within the unit instead of walking the whole graph above it."""
+    if not sources:
+        return False
+    targets, low = set(sources), min(index[s] for s in sources)
+    seen, stack = set(), list(node.all_input_nodes)
+    while stack:
+        n = stack.pop()
+        if n in seen or index[n] < low:
+            continue
+        if n in targets:
+            return True
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
 
 
 def _inputs(chain: list[fx.Node]) -> list[fx.Node]:
@@ -288,10 +303,7 @@ def _add_deps(dependents: list[fx.Node], gate: list[fx.Node], extra_deps: dict) 
     """Orders every node of ``dependents`` after every node of ``gate``, except a gate node
     that depends on one of them already (by data or an earlier ordering edge): that edge would
     be a cycle, and data comes first."""
-    extra_users: dict[fx.Node, list[fx.Node]] = {}
-    for n, ds in extra_deps.items():
-        for d in ds:
-            extra_users.setdefault(d, []).append(n)
+    extra_users = _extra_users(extra_deps)
     after, stack = set(dependents), list(dependents)
     while stack:
         n = stack.pop()
@@ -304,19 +316,47 @@ def _add_deps(dependents: list[fx.Node], gate: list[fx.Node], extra_deps: dict) 
         extra_deps.setdefault(n, []).extend(keep)
 
 
+def _extra_users(extra_deps: dict[fx.Node, list[fx.Node]]) -> dict[fx.Node, list[fx.Node]]:
+    """The ordering edges the other way: for each node, the nodes ordered after it."""
+    users: dict[fx.Node, list[fx.Node]] = {}
+    for n, ds in extra_deps.items():
+        for d in ds:
+            users.setdefault(d, []).append(n)
+    return users
+
+
 def _bound_reductions(starts: list[fx.Node], waits: dict, key: dict, extra_deps: dict) -> None:
     """At most two gradient reductions of a kind in flight, as FSDP2 keeps them: the wait
     of one is issued right after the next one starts. The reduction then has the next
     unit's backward to finish in, and its full-size input buffer is freed there instead
     of every unit's staying alive until the end of the backward."""
+    extra_users = _extra_users(extra_deps)
     for kind in _REDUCTIONS:
         reds = [s for s in starts if _STARTS[s.target] == kind and waits[s]]
         for prev, nxt in zip(reds, reds[1:]):
             w = waits[prev][0]
-            if w in _ancestors(nxt, extra_deps):
+            # searched from the wait down (a reduction's result feeds little but the output), not
+            # from ``nxt`` up through the whole backward before it
+            if _reaches(w, nxt, extra_users):
                 continue  # already ordered (by data or a prefetch edge)
             extra_deps.setdefault(w, []).append(nxt)
+            extra_users.setdefault(nxt, []).append(w)
             key[w] = -math.inf
+
+
+def _reaches(node: fx.Node, target: fx.Node, extra_users: dict[fx.Node, list[fx.Node]]) -> bool:
+    """Whether ``target`` comes after ``node`` by data or an ordering edge (``extra_users``: the
+    nodes each node must precede)."""
+    seen, stack = {node}, [node]
+    while stack:
+        n = stack.pop()
+        for u in itertools.chain(n.users, extra_users.get(n, ())):
+            if u is target:
+                return True
+            if u not in seen:
+                seen.add(u)
+                stack.append(u)
+    return False
 
 
 _VIEWS = {torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
@@ -351,9 +391,8 @@ def _is_unit_gather(ag: fx.Node) -> bool:
     )
 
 
-def _ancestors(node: fx.Node, extra_deps: dict | None = None):
-    extra_deps = extra_deps or {}
-    seen, stack = set(), [*node.all_input_nodes, *extra_deps.get(node, ())]
+def _ancestors(node: fx.Node):
+    seen, stack = set(), list(node.all_input_nodes)
     while stack:
         n = stack.pop()
         if n in seen:
@@ -361,7 +400,6 @@ def _ancestors(node: fx.Node, extra_deps: dict | None = None):
         seen.add(n)
         yield n
         stack.extend(n.all_input_nodes)
-        stack.extend(extra_deps.get(n, ()))
 
 
 def _priority_topo(nodes, key, extra_deps) -> list[fx.Node]:
