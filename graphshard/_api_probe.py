@@ -112,6 +112,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch.fx.experimental.symbolic_shapes.ShapeEnvSettings{allow_dynamic_output_shape_ops}",
      f"{_COMPAT} allow_data_dependent_sizes (backend.py; data-dependent sizes: sparse all-to-all)"),
     ("torch.fx.experimental.symbolic_shapes.is_concrete_int", "lowering.py (_compat.is_concrete_int)"),
+    ("torch.fx._lazy_graph_module._LazyGraphModule.from_graphmodule",
+     "aten_trace.py, backend.py: flat graphs that generate their code lazily (_compat.lazy_graph_module)"),
     ("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", "graphshard/compiler/explain.py"),
     ("torch._dynamo.config[capture_dynamic_output_shape_ops]",
      "model_parallel/_dmp.py (_compat.trace_data_dependent_outputs: sequence lookups)"),

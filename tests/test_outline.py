@@ -82,6 +82,30 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"], ["layers.3"]])
 
 
+    def test_two_bodies_where_one_reads_the_others_output(self):
+        # units at two linears of each block (FSDP1's per-module wrapping does this): the w1 units'
+        # body reads the residual stream the wq units' calls now give. It is built from what its
+        # nodes read after the first group's segments became calls (it failed with a KeyError).
+        x, _ = token_batch(0, 2, 8, 32)
+        plan = graphshard.Plan(fsdp_plan().mesh, {"layers.*.attn.wq": graphshard.FullyShard(),
+                                                   "layers.*.ffn.w1": graphshard.FullyShard(),
+                                                   "": graphshard.FullyShard()})
+        g, outlined = outlined_graph(seeded(Transformer, DEEP), plan, (x,))
+        self.assertEqual(outlined.describe(),
+                         "7 units traced as 2 bodies (layers.0.attn.wq x4, layers.0.ffn.w1 x3), 2 on their own")
+        self.assertExpectedInline(calls(g), """\
+_graphshard_unit_body_0(8 inputs) -> 2 outputs
+_graphshard_unit_body_1(8 inputs) -> 2 outputs
+_graphshard_unit_body_0(8 inputs) -> 2 outputs
+_graphshard_unit_body_1(8 inputs) -> 2 outputs
+_graphshard_unit_body_0(8 inputs) -> 2 outputs
+_graphshard_unit_body_1(8 inputs) -> 2 outputs
+_graphshard_unit_body_0(8 inputs) -> 2 outputs""")
+        g.graph.lint()
+        for name in outlined.bodies:
+            g.get_submodule(name).graph.lint()
+
+
 _KEPT = re.compile(r"# Annotation|_c10d_functional|graphshard\.|aten\.(mm|addmm|bmm)\.")
 
 

@@ -118,13 +118,15 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
     for key, segs in groups.items():
         if len(segs) < 2:
             continue
+        # an input an earlier group's call gives now: the body is built from what its nodes read
+        segs[0].inputs = [replaced.get(n, n) for n in segs[0].inputs]
         body = _body(segs[0])
         name = f"_graphshard_unit_body_{len(outlined.bodies)}"
         gm.add_submodule(name, body)
         identifier = f"graphshard_{key[:16]}"
         outlined.identifiers[identifier] = name
         for seg in segs:
-            seg.inputs = [replaced.get(n, n) for n in seg.inputs]
+            seg.inputs = [replaced.get(n, n) for n in seg.inputs]  # and one this group's calls before it give
             call = Call(seg.units, _regions(seg), name)
             replaced.update(_replace(gm, seg, name, identifier, len(outlined.calls)))
             outlined.calls.append(call)
