@@ -406,8 +406,10 @@ def _body_call(gm: fx.GraphModule, node: fx.Node) -> tuple[str, tuple] | None:
 
 
 def _fake_local(x, fake_mode):
-    """The fake of graph input ``x``: of a DTensor's local shard, or of a plain tensor (dynamo's own
-    fake of it, a local shard graphshard's call wrapper fed included)."""
+    """The fake of graph input ``x``: of a DTensor's local shard, or of a plain tensor (a local shard
+    graphshard's call wrapper fed included), made in the backend's fake mode: dynamo hands backends
+    a fake mode of their own, which shares only the shape environment, so dynamo's fakes of the
+    inputs are not reused here."""
     if isinstance(x, DTensor):
         return _compat.fake_local(x, fake_mode)
     if isinstance(x, torch.Tensor) and not isinstance(x, _compat.FakeTensor):
