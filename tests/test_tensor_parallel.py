@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import graphshard
-from _golden import graph_after
+from _golden import compiled_stages, graph_after
 from _models import mesh1d, seeded
 from graphshard.tensor_parallel import (
     ColwiseParallel,
@@ -38,6 +38,25 @@ def collectives(text: str) -> str:
     """The signature line and the lines that hold graphshard ops: the communication of a graph."""
     lines = text.splitlines()
     return "\n".join([lines[1]] + [l for l in lines[2:] if "graphshard." in l or "return" in l]) + "\n"
+
+
+def data_movement(text: str) -> str:
+    """The collectives, their waits, and every permute with the copy that makes it contiguous:
+    where a graph moves data around its collectives."""
+    import re
+
+    out, permutes = [], set()
+    for line in text.splitlines():
+        m = re.match(r'\s*(\w+)(?:: "[^"]*")? = torch\.ops\.[\w.]+?\.(\w+)\.\w+\((\w+)', line)
+        if not m:
+            continue
+        name, op, first = m.groups()
+        if op == "permute":
+            permutes.add(name)
+        if op in ("all_gather_into_tensor", "reduce_scatter_tensor", "wait_tensor", "permute") or (
+                op == "clone" and first in permutes):
+            out.append(line.strip().split(";")[0] + "\n")
+    return "".join(out)
 
 
 def sp_block_plan(mesh):
@@ -114,6 +133,34 @@ class <lambda>(torch.nn.Module):
         reduce_scatter_default_1: "f32[2, 2, 16]" = torch.ops.graphshard.reduce_scatter.default(view_11, 1, 'tp', 4, 0);  view_11 = None
         all_gather_default_2: "f32[2, 8, 16]" = torch.ops.graphshard.all_gather.default(add_2, 1, 8, 'tp', 4, 0);  add_2 = None
         return (all_gather_default_2,)
+""")
+
+    def test_sequence_parallel_gathers_and_scatters_whole_rows(self):
+        # A collective along dim 1 moves the ranks' axis beside dim 1 with one copy of whole rows:
+        # after the gather, before the reduce-scatter. The piece itself goes in as it is: no
+        # transposing copy of it before the gather, none of the result after the reduce-scatter.
+        g = compiled_stages(seeded(Block, TINY), sp_block_plan(mesh1d("tp")), (torch.randn(2, 8, 16),))
+        self.assertExpectedInline(data_movement(g["forward"]), """\
+all_gather_into_tensor: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(getitem, 4, 'tp')
+wait_tensor: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
+permute: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view, [1, 0, 2, 3])
+clone_6: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute, memory_format = torch.contiguous_format)
+permute_1: "f32[4, 2, 2, 16]" = torch.ops.aten.permute.default(view_9, [1, 0, 2, 3])
+clone_11: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_1, memory_format = torch.contiguous_format)
+reduce_scatter_tensor: "f32[2, 2, 16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(_unsafe_view_11, 'sum', 4, 'tp')
+wait_tensor_1: "f32[2, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor)
+all_gather_into_tensor_1: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(getitem_3, 4, 'tp')
+wait_tensor_2: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1)
+permute_2: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view_10, [1, 0, 2, 3])
+clone_12: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_2, memory_format = torch.contiguous_format)
+permute_3: "f32[4, 2, 2, 16]" = torch.ops.aten.permute.default(view_15, [1, 0, 2, 3])
+clone_13: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_3, memory_format = torch.contiguous_format)
+reduce_scatter_tensor_1: "f32[2, 2, 16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(_unsafe_view_13, 'sum', 4, 'tp')
+wait_tensor_3: "f32[2, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_1)
+all_gather_into_tensor_2: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(add_2, 4, 'tp')
+wait_tensor_4: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2)
+permute_4: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view_16, [1, 0, 2, 3])
+clone_14: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_4, memory_format = torch.contiguous_format)
 """)
 
     def test_loss_parallel_never_gathers_the_logits(self):

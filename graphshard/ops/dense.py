@@ -65,12 +65,15 @@ def _gather_dim(x: torch.Tensor, dim: int, size: int, group: str, world: int) ->
     if x.shape[dim] != c:
         pad = [0, 0] * (x.dim() - dim - 1) + [0, c - x.shape[dim]]
         x = F.pad(x, pad)
+    out = _wait(c10d.all_gather_into_tensor(x.contiguous(), world, group))  # the ranks' pieces stacked on dim 0
     if dim != 0:
-        x = x.movedim(dim, 0)
-    out = _wait(c10d.all_gather_into_tensor(x.contiguous(), world, group))
-    if out.shape[0] != size:
-        out = out.narrow(0, 0, size)
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+        # [world * n0, ...] -> [n0, ..., world, c, ...] -> [..., world * c, ...]: the one copy moves
+        # whole rows of the trailing dims (moving ``dim`` to the front instead transposed the piece
+        # before the gather and the whole after it)
+        out = out.unflatten(0, (world, x.shape[0])).movedim(0, dim).flatten(dim, dim + 1)
+    if out.shape[dim] != size:
+        out = out.narrow(dim, 0, size)
+    return out.contiguous() if dim != 0 else out
 
 
 def local_chunk(x: torch.Tensor, dim: int, world: int, rank: int) -> torch.Tensor:
@@ -88,10 +91,12 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
     if n != c * world:
         x = F.pad(x, [0, 0] * (x.dim() - dim - 1) + [0, c * world - n])
     if dim != 0:
-        x = x.movedim(dim, 0)
+        # [..., world * c, ...] -> [world * n0, ..., c, ...]: each rank's piece one block on dim 0,
+        # already in ``x``'s layout once scattered
+        x = x.unflatten(dim, (world, c)).movedim(dim, 0).flatten(0, 1)
     out = _wait(c10d.reduce_scatter_tensor(x.contiguous(), "sum", world, group))
-    out = out.narrow(0, 0, chunk_size(n, world, rank))
-    return out.movedim(0, dim).contiguous() if dim != 0 else out
+    out = out.narrow(dim, 0, chunk_size(n, world, rank))
+    return out.contiguous() if dim != 0 else out
 
 
 # --------------------------------------------------------------------------------------------
