@@ -24,6 +24,11 @@ TRACED = "graphshard_traced"
 """``node.meta`` key the backend sets on every node of the trace to ATen (the user's program):
 nodes without it were inserted by passes (``tag_recomputation`` joins only those to regions)."""
 
+BLOCK = "graphshard_block"
+"""``node.meta`` key of a node the trace to ATen copied from a block's shared body (a
+``nested_compile_region`` call dynamo stamped out): the FQN of the call's block. ``outline`` cuts
+a plan without data-parallel units (tensor parallelism alone) into segments at these blocks."""
+
 
 @dataclass
 class PassContext:

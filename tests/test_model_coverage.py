@@ -32,7 +32,7 @@ def all_cases() -> list[str]:
         # the AC column: HF's gradient_checkpointing_enable() under FSDP and FSDP + TP, compiled by Inductor
         cases += [f"{name}:{s}:inductor:ac" for s in strategies if s != "tp"]
         # the trace-once column: 4 blocks, so that blocks repeat and share one traced body
-        cases += [f"{name}:{s}:eager:deep" for s in strategies if s != "tp"]
+        cases += [f"{name}:{s}:eager:deep" for s in strategies]
         # the GPU's collective forms (Plan(collectives="nccl")) on gloo: each unit's gather in place
         cases += [f"{name}:fsdp:inductor:nccl"]
     return cases
@@ -146,6 +146,11 @@ def test_architecture_matches_single_process(coverage_results, coverage_case):
 def test_repeated_blocks_are_traced_once(coverage_results, deep_case):
     # the parity above holds with trace_once's shared bodies; here, that the blocks shared one
     notes = coverage_results[deep_case].get("trace_once") or []
+    arch, strategy = deep_case.split(":")[:2]
+    if strategy == "tp" and arch in DYNAMO_UNMARKED:
+        # tensor parallelism alone is cut at dynamo's blocks, which dynamo could not capture here
+        assert not any(" units traced as " in n for n in notes), f"{deep_case}: {notes}"
+        return
     assert any(" units traced as " in n for n in notes), f"{deep_case}: {notes}"
 
 

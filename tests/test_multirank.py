@@ -59,8 +59,9 @@ GLOO_FORMS = {"_c10d_functional::all_gather_into_tensor_coalesced", "_c10d_funct
 # or whole, with shared compiles on (both ranks share the first graph's compile).
 ONE_RANK_COMPILES = ["mlp:full_shard:inductor:rank1_shape", "odd:full_shard:whole:rank1_shape"]
 # Tensor parallelism (tests/workers/tp_numerics.py): plan:frontend:lower, and torch's own TP beside ours.
-TP_TWO_RANK = ["tp:plan:eager", "tp:plan:eager:dynamic", "sp:plan:eager", "loss_parallel:plan:eager",
-               "loss_inside:plan:eager", "tp:parallelize:inductor", "torch_tp:tp"]
+TP_TWO_RANK = ["tp:plan:eager", "tp:plan:eager:dynamic", "sp:plan:eager:deep", "loss_parallel:plan:eager",
+               "loss_inside:plan:eager", "tp:parallelize:inductor:deep", "torch_tp:tp"]
+# ``deep``: 4 blocks, which share one traced and differentiated body (outline cuts at the blocks)
 TP_FOUR_RANK = ["fsdp_tp:plan:eager"]
 
 pytestmark = pytest.mark.multirank
@@ -186,6 +187,13 @@ def test_tensor_parallel_matches_single_process(tp_results, case):
     assert "tok_embeddings.weight" in " ".join(r["dtensor_params"])
     if case.endswith(":dynamic"):  # the batch changed: a symbolic-batch program trained the later steps
         assert r["graphs"] >= 2, r
+
+
+@pytest.mark.parametrize("case", [c for c in TP_TWO_RANK if c.endswith(":deep")])
+def test_tensor_parallel_blocks_share_one_differentiated_body(tp_results, case):
+    # the parity above holds with the blocks outlined for aot_autograd; here, that they were: with
+    # tensor parallelism alone there are no units to cut at, so outline cuts at dynamo's blocks
+    assert tp_results[case]["trace_once"] == ["trace once: 4 units traced as 1 body (layers.0 x4), 0 on their own"]
 
 
 def test_tensor_parallel_matches_torchs_parallelize_module(tp_results):

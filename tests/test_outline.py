@@ -12,8 +12,9 @@ import torch
 from expecttest import TestCase
 
 from _golden import capture_dynamo, compiled_stages
-from _models import TINY, fsdp_plan, seeded
+from _models import TINY, fsdp_plan, mesh1d, seeded
 import graphshard
+import graphshard.tensor_parallel as gtp
 from graphshard.compiler.backend import prepare
 from graphshard.compiler import outline
 from graphshard.compiler.outline import outline_units
@@ -104,6 +105,27 @@ _graphshard_unit_body_0(8 inputs) -> 2 outputs""")
         g.graph.lint()
         for name in outlined.bodies:
             g.get_submodule(name).graph.lint()
+
+    def test_tensor_parallel_blocks_are_cut_at_dynamos_blocks(self):
+        # tensor parallelism alone gathers no unit, so outline cuts before each block's first node
+        # (the trace to ATen marks what it copied from a block's shared body). The partitioned
+        # programs keep the flat ones' collectives in their order, and their matmuls.
+        x, _ = token_batch(0, 2, 8, 32)
+        flat = compiled_stages(seeded(Transformer, DEEP), _tp_plan(), (x,), trace_once=False)
+        model = seeded(Transformer, DEEP)
+        once = compiled_stages(model, _tp_plan(), (x,), trace_once=True)
+        notes = [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")]
+        self.assertEqual(notes, ["trace once: 4 units traced as 1 body (layers.0 x4), 0 on their own"])
+        for stage in ("forward", "backward"):
+            self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
+        self.assertEqual(once["forward"].count("graphshard.all_reduce.default(") + once["forward"].count(
+            "_c10d_functional.all_reduce.default("), 8)  # each block's two row-parallel outputs
+
+
+def _tp_plan():
+    col, row = gtp.ColwiseParallel, gtp.RowwiseParallel
+    return graphshard.Plan(mesh1d("tp"), {"layers.*.attn.wq": col(), "layers.*.attn.wk": col(), "layers.*.attn.wv": col(),
+                                          "layers.*.attn.wo": row(), "layers.*.ffn.w1": col(), "layers.*.ffn.w2": row()})
 
 
 _KEPT = re.compile(r"# Annotation|_c10d_functional|graphshard\.|aten\.(mm|addmm|bmm)\.")

@@ -36,7 +36,7 @@ from graphshard import _compat
 from graphshard.compiler import regions
 from graphshard.ops import ops
 from graphshard.ops.region import region_outputs
-from graphshard.passes.context import TRACED
+from graphshard.passes.context import BLOCK, TRACED
 from graphshard.passes.tag_recomputation import innermost_module
 from graphshard.sharding import is_traced_key
 
@@ -192,6 +192,10 @@ class _Bodies:
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.graphshard.region.default]
         for node, stack in zip(calls, self.stacks, strict=True):  # the trace recorded them in graph order
             copies = regions.inline_call(gm, node, self.traces[node.args[0]][0], node.args[1])
+            block = innermost_module(stack)
+            if block:
+                for copy in copies:
+                    copy.meta[BLOCK] = block
             _own_checkpoint_regions(copies, fresh)
             regions.relocate_module_stacks(copies, self.origins[node.args[0]], stack)
             _relocate_layout_names(copies, self.origins[node.args[0]], stack)

@@ -5,7 +5,9 @@ about 0.75 s a layer on the benchmark transformer (2 CPU ranks), most of the fir
 growth with depth. Identical FSDP units (a model's repeated blocks) give identical per-rank
 programs once the pre-autograd passes have run: the same ops on shards and activations of
 the same shapes. Here, before aot_autograd, each unit's segment of the graph (from its
-``graphshard::unshard`` to the next unit's) is keyed by its structure; segments that share a
+``graphshard::unshard`` to the next unit's; with tensor parallelism alone, which gathers
+nothing, from a block's first node to the next block's, as the trace to ATen marked them)
+is keyed by its structure; segments that share a
 key are replaced by ``invoke_subgraph`` calls of one body, so aot_autograd traces the joint
 of that body once, and partitions it once (`torch._higher_order_ops.invoke_subgraph`: the
 autograd and partition caches are keyed by the call's identifier). After the partition,
@@ -44,6 +46,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.ops import ops
+from graphshard.passes.context import BLOCK
 
 BODY = "graphshard_body"
 """``meta`` key of a node that `inline_calls` put back: the body (attribute name) it was copied
@@ -215,22 +218,34 @@ class _Segment:
 
 def _segments(gm: fx.GraphModule, params: dict) -> list[_Segment]:
     """The graph cut before each unit's first ``unshard``: a unit's segment runs from its gather
-    up to the next unit's."""
+    up to the next unit's. A graph that gathers nothing (tensor parallelism alone) is cut before
+    each block's first node instead (`_unit_start`)."""
+    by_block = not any(gm.graph.find_nodes(op="call_function", target=ops.unshard.default))
     segments: list[_Segment] = []
     current: _Segment | None = None
     seen: set[str] = set()
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node.op == "call_function" and node.target == ops.unshard.default:
-            unit = params[node.args[1][0]].layout.unit
-            if unit not in seen:
-                seen.add(unit)
-                current = _Segment([], [unit])
-                segments.append(current)
+        unit = _unit_start(node, params, by_block)
+        if unit is not None and unit not in seen:
+            seen.add(unit)
+            current = _Segment([], [unit])
+            segments.append(current)
         if current is not None:
             current.nodes.append(node)
     return [_with_boundary(seg) for seg in segments]
+
+
+def _unit_start(node: fx.Node, params: dict, by_block: bool) -> str | None:
+    """The unit whose segment ``node`` would begin: an ``unshard``'s unit, or by block, the block
+    whose shared body dynamo traced the node in (``BLOCK``, set by the trace to ATen; nodes the
+    passes inserted have none and stay in the segment they follow)."""
+    if by_block:
+        return node.meta.get(BLOCK)
+    if node.op == "call_function" and node.target == ops.unshard.default:
+        return params[node.args[1][0]].layout.unit
+    return None
 
 
 def _with_boundary(seg: _Segment) -> _Segment:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -45,6 +46,10 @@ from graphshard.testing.models import Transformer, TransformerConfig, lm_loss, t
 
 STEPS = 5
 SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+DEEP = dataclasses.replace(SMALL, n_layers=4)
+"""The ``deep`` flag's model: 4 blocks, so that blocks repeat and share one traced and
+differentiated body (2 blocks do not: the last block runs on into the tail, and shares the body
+only with a group of two or more)."""
 TORCH_RUNNABLE = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_len=16,
                                    tie_embeddings=False, infer_heads=True)
 
@@ -114,7 +119,7 @@ def run_case(case: str) -> dict:
     torch._dynamo.reset()
     world = dist.get_world_size()
     torch.manual_seed(0)
-    ref = Transformer(SMALL)
+    ref = Transformer(DEEP if "deep" in flags else SMALL)
     model = copy.deepcopy(ref)
     if plan_name == "fsdp_tp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
@@ -154,6 +159,8 @@ def run_case(case: str) -> dict:
         "names": [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()],
         "graphs": len(model._graphshard.explain) if hasattr(model, "_graphshard") else 0,
         "fallbacks": sorted({f for r in model._graphshard.explain for f in r.fallbacks})
+        if hasattr(model, "_graphshard") else [],
+        "trace_once": [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")]
         if hasattr(model, "_graphshard") else [],
     }
     return out
