@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -32,3 +33,50 @@ def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return results
+
+
+JOB_FAILED = "JobFailed"
+"""The ``error`` of a case that took its job down (`run_cases`)."""
+
+
+class CaseResults(dict):
+    """Results by case (`run_cases`). Reading a case that took its job down fails the reading test
+    with that job's error; the cases after it ran in a job of their own."""
+
+    def __getitem__(self, case: str) -> dict:
+        result = super().__getitem__(case)
+        if result.get("error") == JOB_FAILED:
+            raise AssertionError(f"{case} took its job down: {result['message']}\n{result['traceback']}")
+        return result
+
+
+def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900) -> CaseResults:
+    """Every case's result from ``worker``, which prints one ``RESULT`` with its ``case`` per case,
+    in order. A case that takes its job down (an exception, a crash, a collective another rank
+    never joined) is recorded as such, and the job is launched again for the cases after it: one
+    failure fails one case, and the others still say whether they pass. A job that fails after
+    its last case's result fails the run."""
+    results = CaseResults()
+    cases = list(cases)
+    while cases:
+        done, proc = launch(worker, cases, nproc, timeout)
+        results.update((r["case"], r) for r in done)
+        cases = [c for c in cases if c not in results]
+        if proc.returncode != 0 and not cases:
+            raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}) after its last case:\n"
+                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        if cases and proc.returncode == 0:
+            raise AssertionError(f"{worker} ended without results for {cases}")
+        if cases:
+            results[cases[0]] = {"case": cases[0], "ok": False, "error": JOB_FAILED, "message": _cause(proc.stderr),
+                                 "traceback": proc.stderr[-6000:]}
+            cases = cases[1:]
+    return results
+
+
+def _cause(stderr: str) -> str:
+    """The line of a failed job's output that says what a rank raised (not the launcher's own
+    ``ChildFailedError``), else the last line that mentions an error."""
+    lines = stderr.splitlines()
+    raised = [l for l in lines if re.search(r"\w*(Error|Exception): ", l) and "ChildFailedError" not in l]
+    return ((raised or [l for l in lines if "rror" in l] or [stderr[-300:]])[-1]).strip()[:300]

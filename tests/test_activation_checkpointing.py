@@ -20,7 +20,7 @@ from expecttest import TestCase
 import graphshard
 from _golden import compiled_stages
 from _coverage_share import full_coverage
-from _launch import torchrun
+from _launch import CaseResults, run_cases
 from _models import mesh1d, seeded
 
 TOL = 1e-5
@@ -52,10 +52,10 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture(scope="module")
 def ac_results(request):
     two, four = _cases(request.config)
-    out = {}
+    out = CaseResults()
     for i in range(0, len(two), 5):  # five cases per process
-        out.update({r["case"]: r for r in torchrun("ac_numerics.py", two[i:i + 5], nproc=2)})
-    out.update({r["case"]: r for r in torchrun("ac_numerics.py", four, nproc=4)})
+        out.update(run_cases("ac_numerics.py", two[i:i + 5], nproc=2))
+    out.update(run_cases("ac_numerics.py", four, nproc=4))
     return out
 
 

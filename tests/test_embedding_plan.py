@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 pytest.importorskip("fbgemm_gpu")
 
 import graphshard  # noqa: E402
-from _launch import torchrun  # noqa: E402
+from _launch import CaseResults, run_cases  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
 TOL = 1e-5
@@ -29,9 +29,9 @@ graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``) trains in tests/te
 
 @pytest.fixture(scope="module")
 def results():
-    out = {}
+    out = CaseResults()
     for nproc, cases in CASES.items():
-        out.update({r["case"]: r for r in torchrun("embedding_plan.py", cases, nproc=nproc)})
+        out.update(run_cases("embedding_plan.py", cases, nproc=nproc))
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _launch import torchrun
+from _launch import run_cases
 from _coverage_share import ci_share
 
 TOL = 1e-5
@@ -73,9 +73,9 @@ ignored states, tied weight, batch norm, checkpointing or hybrid layout)."""
 
 @pytest.fixture(scope="module")
 def results(request):
-    out = {r["case"]: r for r in torchrun("fsdp1.py", ci_share(request.config, TWO_RANK, FULL_ONLY), nproc=2)}
-    out.update({r["case"]: r for r in torchrun("fsdp1.py", ci_share(request.config, FOUR_RANK, FULL_ONLY), nproc=4)})
-    out.update({r["case"]: r for r in torchrun("fsdp1.py", ONE_RANK, nproc=1)})
+    out = run_cases("fsdp1.py", ci_share(request.config, TWO_RANK, FULL_ONLY), nproc=2)
+    out.update(run_cases("fsdp1.py", ci_share(request.config, FOUR_RANK, FULL_ONLY), nproc=4))
+    out.update(run_cases("fsdp1.py", ONE_RANK, nproc=1))
     return out
 
 

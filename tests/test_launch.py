@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from _launch import launch
+from _launch import launch, run_cases
 
 pytestmark = pytest.mark.multirank
 
@@ -18,3 +18,10 @@ def test_a_rank_that_never_joins_a_collective_fails_the_job_at_the_timeout():
     assert proc.returncode != 0 and not results, proc.stdout[-2000:]
     assert seconds < 120, seconds  # the 5 s collective timeout ended it, not rank 1's 600 s sleep
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-3000:]
+
+
+def test_a_case_that_takes_its_job_down_fails_alone():
+    results = run_cases("fails.py", ["ok:a", "raise:b", "ok:c"], nproc=2, timeout=300)
+    assert results["ok:a"]["sum"] == results["ok:c"]["sum"] == 2.0  # the job was launched again for ok:c
+    with pytest.raises(AssertionError, match=r"raise:b took its job down: .*case raise:b raised"):
+        results["raise:b"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from _coverage_share import full_coverage
-from _launch import launch
+from _launch import run_cases
 from workers._compare import seq_err
 from workers.hf_archs import ARCHS
 
@@ -67,26 +67,10 @@ def coverage_results(request):
     cases = selected(request.config)
     two = [c for c in cases if not c.split(":")[1] == "fsdp_tp"]
     four = [c for c in cases if c.split(":")[1] == "fsdp_tp"]
-    results = {**run_all(two, 2), **run_all(four, 4)}
+    # a case that takes its job down fails alone (`_launch.run_cases`)
+    results = {**run_cases("coverage.py", two, nproc=2, timeout=3600),
+               **run_cases("coverage.py", four, nproc=4, timeout=3600)}
     record_coverage(results)
-    return results
-
-
-def run_all(cases: list[str], nproc: int) -> dict[str, dict]:
-    """Every case's result. A case that takes its job down (a crash, a collective another rank
-    never joined) is recorded as such and the job is launched again for the cases after it."""
-    results: dict[str, dict] = {}
-    while cases:
-        done, proc = launch("coverage.py", cases, nproc=nproc, timeout=3600)
-        results.update((r["case"], r) for r in done)
-        cases = [c for c in cases if c not in results]
-        if cases and proc.returncode == 0:
-            raise AssertionError(f"the coverage job ended without results for {cases}")
-        if cases:
-            why = [l for l in proc.stderr.splitlines() if "Error" in l or "error" in l][-1:] or [proc.stderr[-300:]]
-            results[cases[0]] = {"case": cases[0], "ok": False, "error": "JobFailed", "message": why[0][:300],
-                                 "traceback": proc.stderr[-6000:]}
-            cases = cases[1:]
     return results
 
 

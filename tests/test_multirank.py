@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from _launch import torchrun
+from _launch import run_cases, torchrun
 
 TOL = 1e-5
 TWO_RANK = [
@@ -69,12 +69,12 @@ pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
 def two_rank_results():
-    return {r["case"]: r for r in torchrun("numerics.py", [*TWO_RANK, *ONE_RANK_COMPILES], nproc=2)}
+    return run_cases("numerics.py", [*TWO_RANK, *ONE_RANK_COMPILES], nproc=2)
 
 
 @pytest.fixture(scope="module")
 def four_rank_results():
-    return {r["case"]: r for r in torchrun("numerics.py", FOUR_RANK, nproc=4)}
+    return run_cases("numerics.py", FOUR_RANK, nproc=4)
 
 
 def _check(result):
@@ -176,7 +176,7 @@ def test_shared_module_keeps_both_fqns(two_rank_results):
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return {r["case"]: r for r in torchrun("tp_numerics.py", TP_TWO_RANK, nproc=2)}
+    return run_cases("tp_numerics.py", TP_TWO_RANK, nproc=2)
 
 
 @pytest.mark.parametrize("case", [c for c in TP_TWO_RANK if not c.startswith("torch_tp")])
@@ -220,7 +220,7 @@ RNG_CASES = ["tp:eager", "tp:inductor", "fsdp_tp:eager", "fsdp_tp:inductor"]
 
 @pytest.fixture(scope="module")
 def rng_results():
-    return {r["case"]: r for r in torchrun("rng_numerics.py", RNG_CASES, nproc=4)}
+    return run_cases("rng_numerics.py", RNG_CASES, nproc=4)
 
 
 @pytest.mark.parametrize("case", RNG_CASES)
