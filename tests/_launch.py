@@ -62,15 +62,16 @@ def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900)
         done, proc = launch(worker, cases, nproc, timeout)
         results.update((r["case"], r) for r in done)
         cases = [c for c in cases if c not in results]
-        if proc.returncode != 0 and not cases:
-            raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}) after its last case:\n"
-                                 f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-        if cases and proc.returncode == 0:
+        if not cases:
+            if proc.returncode != 0:
+                raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}) after its last case:\n"
+                                     f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+            break
+        if proc.returncode == 0:
             raise AssertionError(f"{worker} ended without results for {cases}")
-        if cases:
-            results[cases[0]] = {"case": cases[0], "ok": False, "error": JOB_FAILED, "message": _cause(proc.stderr),
-                                 "traceback": proc.stderr[-6000:]}
-            cases = cases[1:]
+        results[cases[0]] = {"case": cases[0], "ok": False, "error": JOB_FAILED, "message": _cause(proc.stderr),
+                             "traceback": proc.stderr[-6000:]}
+        cases = cases[1:]
     return results
 
 

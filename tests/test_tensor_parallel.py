@@ -7,6 +7,7 @@ compiles to; API tests follow the documentation of
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -43,8 +44,6 @@ def collectives(text: str) -> str:
 def data_movement(text: str) -> str:
     """The collectives, their waits, and every permute with the copy that makes it contiguous:
     where a graph moves data around its collectives."""
-    import re
-
     out, permutes = [], set()
     for line in text.splitlines():
         m = re.match(r'\s*(\w+)(?:: "[^"]*")? = torch\.ops\.[\w.]+?\.(\w+)\.\w+\((\w+)', line)
