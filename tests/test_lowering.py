@@ -315,3 +315,90 @@ class TestRegionFacts(TestCase):
         _three_regions(x, w)[0].backward()
         self.assertEqual(writes, [])
         torch.testing.assert_close(got, (x.grad, w.grad))
+
+
+def _all_reduced(fn, *inputs) -> tuple[str, set]:
+    """``fn`` traced to ATen (its collectives on this process's fake group), cut into the regional
+    program's steps: the program's listing and the all-reduces it runs in place."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphshard.compiler.lowering import RegionalProgram, in_place_all_reduces
+
+    gm = make_fx(fn)(*inputs)
+    steps = split_regions(gm.graph)
+    reduced = in_place_all_reduces(gm.graph, steps)
+    program = RegionalProgram(gm.graph, steps, {})
+    return program.describe(), {n.args[0].name for n in reduced}
+
+
+def _reduce(x):
+    group = torch.distributed.group.WORLD.group_name
+    return _compat.c10d.wait_tensor(_compat.c10d.all_reduce(x, "sum", group))
+
+
+class TestInPlaceAllReduce(TestCase):
+    # Tensor parallelism's reductions of partial sums: the functional all-reduce copies its input
+    # into a new buffer, and Inductor's reinplacing, which would run it in place, sees no
+    # collective inside a region. The regional program runs it in place where nothing reads the
+    # input's buffer afterwards; the graph, the goldens and the collective check keep the
+    # functional op.
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+
+    def test_a_partial_sum_nothing_reads_again_is_reduced_in_place(self):
+        listing, reduced = _all_reduced(lambda x, w: _reduce(x @ w) + 1, self.x, self.w)
+        self.assertEqual(reduced, {"mm"})
+        self.assertExpectedInline(listing, """\
+eager(2 in, 1 out): mm
+all_reduce (in place)
+wait_tensor
+eager(1 in, 1 out): add""")
+
+    def test_a_view_of_the_sum_reduced_in_place(self):
+        # the reshape before the reduction is the same buffer: its base, the mm, is not read again
+        _, reduced = _all_reduced(lambda x, w: _reduce((x @ w).view(2, 16)) + 1, self.x, self.w)
+        self.assertEqual(reduced, {"view"})
+
+    def test_an_input_read_after_the_reduction_is_copied(self):
+        _, reduced = _all_reduced(lambda x, w: (lambda y: _reduce(y) + y)(x @ w), self.x, self.w)
+        self.assertEqual(reduced, set())
+
+    def test_a_view_of_the_same_buffer_read_after_is_copied(self):
+        # the reduction reads a reshape; the mm it views is read afterwards
+        _, reduced = _all_reduced(lambda x, w: (lambda y: _reduce(y.view(2, 16)).sum() + y)(x @ w), self.x, self.w)
+        self.assertEqual(reduced, set())
+
+    def test_a_split_piece_whose_sibling_is_read_after_is_copied(self):
+        def fn(x, w):
+            a, b = (x @ w).split(4, dim=1)
+            return _reduce(a).sum() + b
+
+        _, reduced = _all_reduced(fn, self.x, self.w)
+        self.assertEqual(reduced, set())
+
+    def test_graph_inputs_and_returned_values_are_copied(self):
+        _, from_input = _all_reduced(lambda x: _reduce(x) + 1, self.x)
+        _, returned = _all_reduced(lambda x, w: (lambda y: (_reduce(y), y))(x @ w), self.x, self.w)
+        self.assertEqual((from_input, returned), (set(), set()))
+
+    def test_tensor_parallel_block_reduces_in_place(self):
+        # the block's two row-parallel outputs in the forward, the column-parallel inputs'
+        # gradients in the backward: every all-reduce of the block runs in place
+        from graphshard.tensor_parallel import ColwiseParallel, RowwiseParallel
+
+        from _models import mesh1d
+        from graphshard.testing.models import Block
+
+        cfg = TransformerConfig(vocab_size=32, dim=16, n_layers=1, n_heads=4, max_seq_len=8)
+        block = seeded(Block, cfg)
+        plan = graphshard.Plan(mesh1d("tp"), {"attn.w[qkv]": ColwiseParallel(), "attn.wo": RowwiseParallel(),
+                                              "ffn.w1": ColwiseParallel(), "ffn.w2": RowwiseParallel()})
+        with tempfile.TemporaryDirectory() as d:
+            graphshard.compile(block, plan, lower="inductor", dump_graphs=d)
+            block(torch.randn(2, 8, 16, requires_grad=True)).sum().backward()
+            listings = {}
+            for stage in ("forward", "backward"):
+                (path,) = glob.glob(os.path.join(d, f"g*_{stage}_regions.txt"))
+                with open(path) as f:
+                    listings[stage] = [l for l in f.read().splitlines() if l.startswith("all_reduce")]
+        self.assertEqual(listings["forward"], ["all_reduce (in place)"] * 2)
+        self.assertEqual(listings["backward"], ["all_reduce (in place)"] * 2)

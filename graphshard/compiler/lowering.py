@@ -24,7 +24,9 @@ compiler again. Here the graph is cut at its communication ops instead:
 
 Values die at their last use, as in generated code: the runner drops its own
 reference before a step runs, and a compiled region receives its inputs boxed,
-so Inductor frees each one inside the region after its last read.
+so Inductor frees each one inside the region after its last read. An all-reduce
+whose input (and every alias of it) has no later reader runs in place, as
+Inductor's reinplacing runs it in a graph it lowers whole (`in_place_all_reduces`).
 """
 
 from __future__ import annotations
@@ -432,6 +434,7 @@ class RegionalProgram:
                 names.setdefault(step.key, f"r{len(names)}")
         in_place = {gather: InPlaceGather(*gather.args[1:3]) for gather in packed_gathers(graph)}
         packs = {gather.args[0]: run for gather, run in in_place.items()}
+        reduced_in_place = in_place_all_reduces(graph, steps)
         for i, step in enumerate(steps):
             if isinstance(step, Region):
                 ops = ", ".join(_short(n) for n in step.nodes if _aten_name(n) not in _VIEWS and n.target is not operator.getitem)
@@ -454,6 +457,8 @@ class RegionalProgram:
                     fn = packs[step].pack
                 elif step in in_place:
                     fn = in_place[step].gather
+                elif step in reduced_in_place:
+                    fn = all_reduce_in_place
                 self.listing.append(_short(step) + (" (in place)" if fn is not step.target else ""))
                 args = fx.map_arg((step.args, step.kwargs), lambda a: _Slot(slot[a]))
                 self.program.append(("call", fn, args, slot[step], dying[i]))
@@ -506,6 +511,61 @@ def fuse_packed_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.erase_node(pack)
     gm.recompile()
     return gm
+
+
+def in_place_all_reduces(graph: fx.Graph, steps: list[fx.Node | Region]) -> set[fx.Node]:
+    """The functional ``all_reduce`` steps that may overwrite their input: those whose input
+    is computed by the graph (not a graph input, not a collective's result, not a constant
+    the regions remake) and neither it nor any view of the same buffer is read after the
+    step or returned. Tensor parallelism's reductions of partial sums are the case: the
+    functional op copies each into a new buffer first (a 2 MiB copy per block and reduction
+    in the benchmark transformer). Aliases are followed through the ops whose schema says
+    they return a view of an input, so a reshape or a split's piece counts as the buffer."""
+    step_of: dict[fx.Node, int] = {}
+    for i, step in enumerate(steps):
+        for n in (step.nodes if isinstance(step, Region) else [step]):
+            step_of.setdefault(n, i)  # a remade constant sits in several regions: keep the first
+    remade = {n for step in steps if isinstance(step, Region) for n in step.nodes if n not in step.own}
+    out: set[fx.Node] = set()
+    for i, step in enumerate(steps):
+        if isinstance(step, Region) or step.target is not _compat.c10d.all_reduce.default:
+            continue
+        base = step.args[0]
+        while base.op == "call_function" and _returns_alias(base):
+            base = base.args[0]
+        if base.op != "call_function" or _communication_op(base) or base in remade or base not in step_of:
+            continue
+        buffer, stack = {base}, [base]  # the base and every view of it
+        while stack:
+            for u in stack.pop().users:
+                if u not in buffer and u.op == "call_function" and _returns_alias(u):
+                    buffer.add(u)
+                    stack.append(u)
+        readers = [u for n in buffer for u in n.users if u not in buffer and u is not step]
+        if all(n in step_of and step_of[n] < i for n in buffer) and all(
+                u.op != "output" and step_of.get(u, i) < i for u in readers):
+            out.add(step)
+    return out
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """Whether ``node``'s result may share its first input's buffer: an ATen op whose schema
+    marks a returned tensor as an alias (views, ``split``'s pieces), an item of such an op's
+    result, or anything whose schema is unknown."""
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _returns_alias(node.args[0])
+    if isinstance(node.target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in node.target._schema.returns)
+    return True
+
+
+def all_reduce_in_place(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """The regional program's run of a functional all-reduce picked by `in_place_all_reduces`:
+    the in-place form on the input itself (the graph's ``wait_tensor`` waits on it). A
+    non-contiguous input, which the functional op would have copied anyway, keeps that form."""
+    if not x.is_contiguous():
+        return _compat.c10d.all_reduce(x, op, group_name)
+    return _compat.c10d.all_reduce_(x, op, group_name)
 
 
 class InPlaceGather:
