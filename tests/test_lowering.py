@@ -367,6 +367,15 @@ eager(1 in, 1 out): add""")
         _, reduced = _all_reduced(lambda x, w: (lambda y: _reduce(y.view(2, 16)).sum() + y)(x @ w), self.x, self.w)
         self.assertEqual(reduced, set())
 
+    def test_an_unsafe_view_counts_as_the_buffer(self):
+        # matmul's decomposition reshapes its result with _unsafe_view, whose schema claims no alias
+        def fn(x, w):
+            y = x @ w
+            return _reduce(torch.ops.aten._unsafe_view.default(y, [2, 16])).sum() + y
+
+        _, reduced = _all_reduced(fn, self.x, self.w)
+        self.assertEqual(reduced, set())
+
     def test_a_split_piece_whose_sibling_is_read_after_is_copied(self):
         def fn(x, w):
             a, b = (x @ w).split(4, dim=1)

@@ -550,12 +550,13 @@ def in_place_all_reduces(graph: fx.Graph, steps: list[fx.Node | Region]) -> set[
 
 def _returns_alias(node: fx.Node) -> bool:
     """Whether ``node``'s result may share its first input's buffer: an ATen op whose schema
-    marks a returned tensor as an alias (views, ``split``'s pieces), an item of such an op's
-    result, or anything whose schema is unknown."""
+    marks a returned tensor as an alias (views, ``split``'s pieces) or that is a view without
+    saying so (``_unsafe_view``, ``reshape``), an item of such an op's result, or anything
+    whose schema is unknown."""
     if node.target is operator.getitem:
         return isinstance(node.args[0], fx.Node) and _returns_alias(node.args[0])
     if isinstance(node.target, torch._ops.OpOverload):
-        return any(r.alias_info is not None for r in node.target._schema.returns)
+        return _aten_name(node) in _VIEWS or any(r.alias_info is not None for r in node.target._schema.returns)
     return True
 
 
