@@ -531,9 +531,10 @@ def in_place_all_reduces(graph: fx.Graph, steps: list[fx.Node | Region]) -> set[
         if isinstance(step, Region) or step.target is not _compat.c10d.all_reduce.default:
             continue
         base = step.args[0]
-        while base.op == "call_function" and _returns_alias(base):
-            base = base.args[0]
-        if base.op != "call_function" or _communication_op(base) or base in remade or base not in step_of:
+        while isinstance(base, fx.Node) and base.op == "call_function" and _returns_alias(base):
+            base = base.args[0] if base.args else None
+        if (not isinstance(base, fx.Node) or base.op != "call_function" or _communication_op(base)
+                or base in remade or base not in step_of):
             continue
         buffer, stack = {base}, [base]  # the base and every view of it
         while stack:
