@@ -57,6 +57,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
      "ops.py, grad_sync.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_reduce.default",
      "ops.py, grad_sync.py, passes/schedule_overlap.py (_compat.c10d)"),
+    ("torch.ops._c10d_functional.all_reduce_.default",
+     "graphshard/compiler/lowering.py all_reduce_in_place (_compat.c10d)"),
     ("torch.ops._c10d_functional.all_to_all_single.default",
      "ops.py, grad_sync.py, passes/schedule_overlap.py (_compat.c10d)"),
     ("torch.ops._c10d_functional.wait_tensor.default", "ops.py, passes/schedule_overlap.py (_compat.c10d)"),
