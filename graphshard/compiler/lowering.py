@@ -519,8 +519,8 @@ def in_place_all_reduces(graph: fx.Graph, steps: list[fx.Node | Region]) -> set[
     the regions remake) and neither it nor any view of the same buffer is read after the
     step or returned. Tensor parallelism's reductions of partial sums are the case: the
     functional op copies each into a new buffer first (a 2 MiB copy per block and reduction
-    in the benchmark transformer). Aliases are followed through the ops whose schema says
-    they return a view of an input, so a reshape or a split's piece counts as the buffer."""
+    in the benchmark transformer). Aliases are followed as `_returns_alias` says, so a view,
+    a reshape or a split's piece counts as the buffer."""
     step_of: dict[fx.Node, int] = {}
     for i, step in enumerate(steps):
         for n in (step.nodes if isinstance(step, Region) else [step]):
