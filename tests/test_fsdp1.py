@@ -62,13 +62,14 @@ device mesh; on the 2x2 mesh both wrappers match the single process.)"""
 FULL_ONLY = {
     "transformer:full_shard:post:flat:fwd", "transformer:full_shard:none:orig:nolimit",
     "transformer:shard_grad_op:pre:flat:accum", "transformer:shard_grad_op:pre:orig:ignorestates",
-    "llama:shard_grad_op:post:flat", "transformer:full_shard:pre:orig:tied:clip",
+    "llama:shard_grad_op:post:flat", "llama:full_shard:pre:orig:clip", "transformer:full_shard:pre:orig:tied:clip",
     "transformer:full_shard:pre:orig:tiedunits", "bn:shard_grad_op:pre:orig", "transformer:full_shard:pre:orig:cpuonly",
     "transformer:full_shard:pre:orig:accum:acbefore", "transformer:_hybrid_shard_zero2:pre:orig",
 }
 """Run under ``--coverage full`` only (`_coverage_share.ci_share`): each varies one setting that a CI case
 already exercises with another (the same strategy, prefetch, parameter form, accumulation,
-ignored states, tied weight, batch norm, checkpointing or hybrid layout)."""
+ignored states, tied weight, batch norm, checkpointing or hybrid layout; the Llama runs in CI
+checkpointed, ``llama:shard_grad_op:post:orig:acafter``)."""
 
 
 @pytest.fixture(scope="module")

@@ -45,8 +45,8 @@ state dict with ``offload_to_cpu=True`` raises on a CPU device (and crashes the 
 the whole state dict, where its documentation promises an empty one (graphshard's are empty)."""
 
 
-FULL_ONLY = {"full:shard_grad_op:orig", "full:no_shard:orig", "local:orig", "legacy:flat", "full:hybrid_shard:flat",
-             "reshard@1"}
+FULL_ONLY = {"full:full_shard:orig", "full:shard_grad_op:orig", "full:no_shard:orig", "local:orig", "legacy:flat",
+             "full:hybrid_shard:flat", "reshard@1"}
 """Run under ``--coverage full`` only (`_coverage_share.ci_share`): the same checkpoint kind with the other
 parameter form or strategy than a CI case, and the reload at one rank besides four. The
 ``sharded`` cases stay: the reshard loads what both left."""

@@ -22,6 +22,11 @@
 - ``sequence``: the same for an ``EmbeddingCollection`` (the ``seq`` model of tests/workers/dmp.py):
   graphshard's DCP checkpoint loads under another plan (and gives the same next step) and into
   TorchRec's DMP; TorchRec's state dict, after two steps of its own, loads into graphshard's.
+
+graphshard's DMPs run their compiled graphs as FX (``lower="eager"``): what a state dict holds and
+loads does not depend on the lowering, and every case builds several fresh DMPs, so Inductor here
+only added CI time. The DMP's dense part under Inductor trains against the single process and
+TorchRec's DMP in ``tests/test_model_parallel.py``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ def _gs(base, plan_fn, world, model=MODEL):
 
     m = copy.deepcopy(base)
     return DistributedModelParallel(m, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                                    plan=plan_fn(m, world), sharders=[common._sharder(model, common._fused(OPT))])
+                                    plan=plan_fn(m, world), sharders=[common._sharder(model, common._fused(OPT))],
+                                    lower="eager")  # see the module docstring
 
 
 def _tr(base, world, model=MODEL):

@@ -18,6 +18,11 @@ reader's next step must give the uninterrupted run's loss and parameters. CASEs:
 
 ``<params>`` is flat | orig (``use_orig_params``). Rank 0 prints one RESULT per case: ``err``
 (largest differences, checked against a tolerance), ``ok`` (facts that must hold) and ``info``.
+
+graphshard's models run their compiled graphs as FX (``lower="eager"``, a compile option the
+wrapper passes on): what a checkpoint holds and loads does not depend on the lowering, and each
+case compiles several fresh models, so Inductor here only added CI time. The same wrapper under
+Inductor trains against the single process and torch's FSDP1 in ``tests/test_fsdp1.py``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ SMALL = TransformerConfig(vocab_size=96, dim=32, n_layers=2, n_heads=4, max_seq_
 GLOBAL_BATCH = 4
 STEPS = 2
 IMPLS = {"torch": TorchFSDP, "gs": GraphshardFSDP}
+GS_OPTIONS = {"gs": {"lower": "eager"}}  # see the module docstring
 BUFFERS = ("layers.0.scale", "offset")
 FULL = StateDictType.FULL_STATE_DICT
 SHARDED = StateDictType.SHARDED_STATE_DICT
@@ -76,7 +82,7 @@ def base(seed: int = 0) -> Transformer:
 def wrap(impl: str, model, strategy: str = "full_shard", params: str = "flat"):
     return IMPLS[impl](model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                        sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
-                       **hybrid_mesh(strategy))
+                       **hybrid_mesh(strategy), **GS_OPTIONS.get(impl, {}))
 
 
 def hybrid_mesh(strategy: str) -> dict:
@@ -339,7 +345,8 @@ def case_full(r: Result, strategy: str, params: str):
     for impl in ("gs", "torch"):
         model = IMPLS[impl](base(0), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
                             sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
-                            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), **hybrid_mesh(strategy))
+                            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), **hybrid_mesh(strategy),
+                            **GS_OPTIONS.get(impl, {}))
         check_sd(r, f"{impl} mixed precision: full state dict vs the fp32 model", full_sd(impl, model),
                  base(0).state_dict())
     # torch's defect: FULL_STATE_DICT with offload_to_cpu=True on a CPU device raises (both ranks
@@ -362,7 +369,8 @@ def case_ignored(r: Result, params: str):
     for impl in ("gs", "torch"):
         model = base()
         wrapped = IMPLS[impl](model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
-                              use_orig_params=params == "orig", ignored_modules=[model.layers[0].ffn])
+                              use_orig_params=params == "orig", ignored_modules=[model.layers[0].ffn],
+                              **GS_OPTIONS.get(impl, {}))
         with IMPLS[impl].state_dict_type(wrapped, FULL, FullStateDictConfig(rank0_only=True)):
             got[impl] = clone(wrapped.state_dict())
     g, t = got["gs"], got["torch"]
