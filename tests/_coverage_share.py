@@ -19,3 +19,23 @@ def ci_share(config, cases, full_only) -> list:
     if full_coverage(config):
         return list(cases)
     return [c for c in cases if c.replace(":{dir}", "") not in full_only]
+
+
+LOWER_ENV = "GS_TEST_LOWER"
+"""Set to ``eager`` in a launch's environment, its worker's graphshard programs run as FX
+(``lower="eager"``) instead of through Inductor (`launch_groups`; the workers read it with
+``workers/_runner.lowering``)."""
+
+
+def launch_groups(config, cases, inductor_in_ci) -> list[tuple[list, dict]]:
+    """``cases`` as (cases, extra environment) groups to launch. Under ``--coverage full`` every case
+    lowers with Inductor; in CI only ``inductor_in_ci`` do and the rest run as FX. The first compile of
+    each distinct Inductor kernel is a third of CI's time on its 2-core machine, and where a case's
+    subject is a frontend's semantics, a plan or a sparse exchange rather than the lowering, the FX
+    program runs the same collectives and ops: each suite keeps Inductor on the cases that put its
+    features through it."""
+    if full_coverage(config):
+        return [(list(cases), {})] if cases else []
+    groups = [([c for c in cases if c in inductor_in_ci], {}),
+              ([c for c in cases if c not in inductor_in_ci], {LOWER_ENV: "eager"})]
+    return [(g, env) for g, env in groups if g]

@@ -18,11 +18,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -> tuple[list[dict], subprocess.CompletedProcess]:
-    """Runs the worker; returns the results rank 0 printed (however the job ended) and the process."""
+def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900,
+           env: dict | None = None) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """Runs the worker (``env``: variables added to the environment); returns the results rank 0
+    printed (however the job ended) and the process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={_free_port()}", os.path.join(HERE, "workers", worker), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     return results, proc
@@ -50,7 +52,8 @@ class CaseResults(dict):
         return result
 
 
-def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900) -> CaseResults:
+def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900,
+              env: dict | None = None) -> CaseResults:
     """Every case's result from ``worker``, which prints one ``RESULT`` with its ``case`` per case,
     in order. A case that takes its job down (an exception, a crash, a collective another rank
     never joined) is recorded as such, and the job is launched again for the cases after it: one
@@ -59,7 +62,7 @@ def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900)
     results = CaseResults()
     cases = list(cases)
     while cases:
-        done, proc = launch(worker, cases, nproc, timeout)
+        done, proc = launch(worker, cases, nproc, timeout, env)
         results.update((r["case"], r) for r in done)
         cases = [c for c in cases if c not in results]
         if not cases:

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says when it is skipped)
 
-from _coverage_share import ci_share, full_coverage  # noqa: E402
+from _coverage_share import ci_share, full_coverage, launch_groups  # noqa: E402
 from _launch import JOB_FAILED, CaseResults, run_cases  # noqa: E402
 
 TOL = 1e-5
@@ -109,6 +109,12 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("dmp_case", selected(metafunc.config) + FOUR_RANK)
 
 
+INDUCTOR_IN_CI = {"dlrm:rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "dlrm:rowwise_adagrad:triton"}
+"""The cases CI lowers with Inductor (`_coverage_share.launch_groups`): the sparse exchange and
+fbgemm's kernels in one compiled program with the replicated dense part, with the sharded one, and
+with graphshard's Triton kernel. CI runs the others as FX (a checkpointed dense part under Inductor
+is tests/test_activation_checkpointing.py's); ``--coverage full`` lowers every case with Inductor."""
+
 LAUNCH = 4
 """Cases per torchrun launch (each launch's output comes back when it ends; every launch pays the
 start-up and the imports once)."""
@@ -117,10 +123,11 @@ start-up and the imports once)."""
 @pytest.fixture(scope="module")
 def results(request):
     out = CaseResults()
-    cases = selected(request.config)
-    for i in range(0, len(cases), LAUNCH):
-        out.update(run_cases("dmp.py", cases[i:i + LAUNCH], nproc=2))
-    out.update(run_cases("dmp.py", FOUR_RANK, nproc=4))
+    for cases, env in launch_groups(request.config, selected(request.config), INDUCTOR_IN_CI):
+        for i in range(0, len(cases), LAUNCH):
+            out.update(run_cases("dmp.py", cases[i:i + LAUNCH], nproc=2, env=env))
+    for cases, env in launch_groups(request.config, FOUR_RANK, INDUCTOR_IN_CI):
+        out.update(run_cases("dmp.py", cases, nproc=4, env=env))
     _write_table(out, request.config.getoption("coverage"))
     return out
 
@@ -135,14 +142,15 @@ def _write_table(results: dict, selection: str) -> None:
         return "-" if x is None else f"{x:.1e}"
 
     lines = [f"DMP parity ({selection}): loss / param max |difference|", "",
-             "| case | gs vs single | gs vs TorchRec | TorchRec vs single | TorchRec |", "|---|---|---|---|---|"]
+             "| case | lowering | gs vs single | gs vs TorchRec | TorchRec vs single | TorchRec |",
+             "|---|---|---|---|---|---|"]
     for case, r in results.items():
         if r.get("error") == JOB_FAILED:
-            lines.append(f"| {case} | took its job down | | | |")
+            lines.append(f"| {case} | | took its job down | | | |")
             continue
         tr = ("fails: " + r["torchrec_error"][:60]) if r["torchrec_error"] else (
             "known wrong" if case in TORCHREC_WRONG else "ok")
-        lines.append(f"| {case} | {fmt(r['loss_gs_ref'])} / {fmt(worst(r['param_gs_ref']))} "
+        lines.append(f"| {case} | {r['lowering']} | {fmt(r['loss_gs_ref'])} / {fmt(worst(r['param_gs_ref']))} "
                      f"| {fmt(r['loss_gs_tr'])} / {fmt(worst(r['param_gs_tr']))} "
                      f"| {fmt(r['loss_tr_ref'])} / {fmt(worst(r['param_tr_ref']))} | {tr} |")
     out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "coverage_out")
@@ -206,6 +214,14 @@ def test_compiled_once_for_dynamic_ids(results):
     # way (each model's forward is its own code object for dynamo)
     for case, r in results.items():
         assert r["graphs"] == 2, (case, r["explain"])
+
+
+def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
+    # Inductor's generated code has an order of its own in explain; an FX program has none
+    for case, r in results.items():
+        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        assert r["lowering"] == want, (case, r["lowering"])
+        assert ("order in lowered code" in r["explain"]) == (want == "inductor"), (case, r["explain"])
 
 
 def test_ids_exchange_overlaps_the_bottom_mlp(results):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from typing import Callable
 
 import torch.distributed as dist
@@ -13,6 +14,12 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
 """How long a rank waits in one collective by default: a rank that never joins one (a hang, a
 crash on another rank) fails the job with gloo's error naming the collective within minutes,
 instead of at the launcher's 15-minute limit. Longer than any compile a peer may be doing."""
+
+
+def lowering() -> str:
+    """The lowering this launch's graphshard programs take: ``inductor`` unless the launch set
+    ``GS_TEST_LOWER=eager`` (tests/_coverage_share.py's ``launch_groups``)."""
+    return os.environ.get("GS_TEST_LOWER", "inductor")
 
 
 def run_cases(cases: list[str], run: Callable[[str], dict],

@@ -29,6 +29,7 @@ initial weights copied into its shards), and unwrapped in one process on the glo
 optimizer's update, written out in torch, on the same gradient: the kernels apply the global
 batch's mean gradient, TorchRec's default gradient division). Rank 0 reports the largest loss
 and parameter differences of each against the single process and of the two against each other.
+graphshard's side lowers with Inductor, or as FX where the launch sets ``GS_TEST_LOWER=eager``.
 Where TorchRec's DMP is known to raise on the program (``_torchrec_known_failure``: an
 ``EmbeddingCollection`` with a data-parallel table), that one error is caught and reported instead.
 """
@@ -44,7 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from _compare import seq_err, tensor_err
-from _runner import run_cases
+from _runner import lowering, run_cases
 
 STEPS = 4
 BATCH = 8      # per rank
@@ -636,7 +637,7 @@ def run(case: str) -> dict:
         plan = None if "planned" in flags else _plan(model, gs_model, world)
     gs = GraphshardDMP(gs_model, env=env, device=torch.device("cpu"), plan=plan,
                        sharders=[_sharder(model, fused)],
-                       data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None)
+                       data_parallel_wrapper=FullyShardDense() if "fsdp" in flags else None, lower=lowering())
     _KERNEL[0] = "fused"
     plans = [None] * world
     dist.all_gather_object(plans, repr(gs.plan))
@@ -660,6 +661,7 @@ def run(case: str) -> dict:
 
     return {
         "case": case,
+        "lowering": lowering(),
         "keys_graphshard": sorted(gs_state),
         "keys_torchrec": sorted(tr_state) if tr_state else None,
         "torchrec_error": tr_error,
