@@ -11,6 +11,9 @@ valid for the first strides then raises "Cannot view a tensor with shape ... and
 copies only where it is not, so the rewrite changes nothing that ran before and makes the
 rest run. Only ``aten.view.default`` is rewritten: ``_unsafe_view`` is emitted on fresh
 contiguous results (a matmul's), where strides cannot differ.
+
+``lower="eager"`` runs the partitioned graphs through the same rewrite (``backend._as_fx``):
+aot_autograd traced them with fake kernels, and an eager kernel may return other strides.
 """
 
 from __future__ import annotations

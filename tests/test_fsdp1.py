@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from _launch import run_cases
-from _coverage_share import ci_share
+from _launch import CaseResults, run_cases
+from _coverage_share import ci_share, full_coverage, launch_groups
 
 TOL = 1e-5
 TWO_RANK = [
@@ -72,12 +72,26 @@ ignored states, tied weight, batch norm, checkpointing or hybrid layout; the Lla
 checkpointed, ``llama:shard_grad_op:post:orig:acafter``)."""
 
 
+INDUCTOR_IN_CI = {"transformer:full_shard:pre:flat:clip:summon", "bn:full_shard:pre:flat:bf16"}
+"""The cases CI lowers with Inductor (`_coverage_share.launch_groups`): the frontend's programs in
+fp32 and in bf16 (Inductor's kernels round otherwise than torch's eager ops). CI runs the others,
+whose subject is the FSDP1 API's semantics, as FX; ``--coverage full`` lowers every case with Inductor."""
+
+
 @pytest.fixture(scope="module")
 def results(request):
-    out = run_cases("fsdp1.py", ci_share(request.config, TWO_RANK, FULL_ONLY), nproc=2)
-    out.update(run_cases("fsdp1.py", ci_share(request.config, FOUR_RANK, FULL_ONLY), nproc=4))
-    out.update(run_cases("fsdp1.py", ONE_RANK, nproc=1))
+    out = CaseResults()
+    for cases, nproc in ((ci_share(request.config, TWO_RANK, FULL_ONLY), 2),
+                         (ci_share(request.config, FOUR_RANK, FULL_ONLY), 4), (ONE_RANK, 1)):
+        for group, env in launch_groups(request.config, cases, INDUCTOR_IN_CI):
+            out.update(run_cases("fsdp1.py", group, nproc=nproc, env=env))
     return out
+
+
+def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
+    for case, r in results.items():
+        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        assert r.get("lowering") == want, (case, r.get("lowering"), r.get("message"))
 
 
 pytestmark = pytest.mark.multirank

@@ -80,3 +80,38 @@ class <lambda>(torch.nn.Module):
         self.assertIn("all_gather", text)
         fallbacks = model._graphshard.explain[-1].fallbacks
         self.assertTrue(fallbacks and all("_scaled_dot_product_flash_attention_for_cpu" in f for f in fallbacks), fallbacks)
+
+
+class BatchNormOverTime(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn, self.fc = torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 64)
+
+    def forward(self, h):
+        return self.fc(self.bn(h.transpose(1, 2)).transpose(1, 2))
+
+
+def test_the_fx_lowering_runs_views_whose_run_time_strides_differ():
+    # CPU BatchNorm over a transposed input returns a contiguous output where its fake kernel keeps
+    # the input's strides, so the Linear's view of the transposed-back result, valid when traced,
+    # raised at run time in the partitioned graphs lower="eager" runs as FX (as under
+    # torch.compile(backend="aot_eager")); they are relaxed too, and match plain torch
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import graphshard
+    from graphshard.plan import Plan, Replicate
+
+    torch.manual_seed(0)
+    ref = BatchNormOverTime()
+    model = copy.deepcopy(ref)
+    graphshard.compile(model, Plan(init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)), {"": Replicate()}),
+                       lower="eager")
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, out_ref = model(x), ref(x_ref)
+    (out * out).sum().backward()
+    (out_ref * out_ref).sum().backward()
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-5)  # no collective on the input's gradient

@@ -49,6 +49,7 @@ from graphshard.ops.rng import KeyStream
 from graphshard.ops.sparse import lookup_args
 from graphshard.params import resolve
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
+from graphshard.passes.relax_views import relax_views
 from graphshard.sharding import ShardedModel, is_traced_key, model_for_key
 
 log = logging.getLogger(__name__)
@@ -495,7 +496,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 check = collective_check.CollectiveCheck(
                     g, program, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
             if config.lower == "eager":
-                compiled_fn = _compat.boxed_nop(g, inputs)
+                compiled_fn = _as_fx(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
                                                    compile_threads=_compile_threads()):
@@ -594,7 +595,7 @@ def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, sh
     """Lowers a backward program derived from the partitioned one (`grad_sync`): with its own
     facts, never aot_autograd's (which describe the graph it partitioned, not this one)."""
     if config.lower == "eager":
-        return _compat.boxed_nop(g, inputs)
+        return _as_fx(g, inputs)
     with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
                                        compile_threads=_compile_threads()):
         if config.regional and whole_graph_reason(g) is None:
@@ -602,6 +603,17 @@ def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, sh
                                  report_strides=False)[0]
         with inductor_cpu.batched_cpp_kernels(enabled=config.batch_cpp_kernels):
             return _compat.inductor_compile_region(fuse_packed_gathers(g), inputs, is_backward=True)
+
+
+def _as_fx(g: fx.GraphModule, inputs: list) -> Callable:
+    """``lower="eager"``: the partitioned graph run as FX, its views relaxed to reshapes first
+    (`relax_views`). aot_autograd traced it with each op's fake kernel, and some eager kernels return
+    other strides (CPU BatchNorm over a transposed input returns a contiguous output where its fake
+    kernel keeps the input's strides), so a ``view`` valid for the traced strides raises at run time;
+    ``torch.compile(backend="aot_eager")`` raises on the same program. Inductor plans strides itself."""
+    relax_views(g, None)
+    g.recompile()
+    return _compat.boxed_nop(g, inputs)
 
 
 def _whole_graph_compile(g: fx.GraphModule, inputs, is_backward: bool, batch: bool):

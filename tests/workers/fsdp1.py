@@ -23,7 +23,8 @@ The same user program (`train`) runs three times on one batch stream: with torch
 ``FullyShardedDataParallel``, with ``graphshard.fsdp.FullyShardedDataParallel`` (only the class
 differs), and unwrapped in one process on the global batch. Rank 0 reports the largest loss and
 parameter differences of each wrapper against the single process, and of the two against each
-other, plus the names each wrapper's ``named_parameters()`` gives.
+other, plus the names each wrapper's ``named_parameters()`` gives. graphshard's programs lower with
+Inductor, or as FX where the launch sets ``GS_TEST_LOWER=eager``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from _compare import seq_err, tensor_err, worst
-from _runner import run_cases
+from _runner import lowering, run_cases
 from graphshard.testing.models import Block, Transformer, TransformerConfig, lm_loss, token_batch
 
 STEPS = 4
@@ -127,8 +128,10 @@ def train(FSDP, model, block, logits, args: dict, sl: slice):
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     kwargs = dict(args["fsdp"])
-    if args.get("dump_graphs") and FSDP.__module__.startswith("graphshard"):  # graphshard's compile option
-        kwargs["dump_graphs"] = args["dump_graphs"]
+    if FSDP.__module__.startswith("graphshard"):  # graphshard's compile options
+        kwargs["lower"] = lowering()
+        if args.get("dump_graphs"):
+            kwargs["dump_graphs"] = args["dump_graphs"]
     if args["bf16"]:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                    buffer_dtype=torch.bfloat16, keep_low_precision_grads=args["klp"])
@@ -289,7 +292,7 @@ def run_case(case: str) -> dict:
         # turns the cache off (gradient_checkpointing_enable), as AC users must
         base.config.use_cache = False
     ref_losses, ref_norms, ref_sd = reference(copy.deepcopy(base), logits, args)
-    out = {"case": case}
+    out = {"case": case, "lowering": lowering()}
     results = {}
     dump = tempfile.mkdtemp(prefix="fsdp1_graphs_") if args["bf16"] else None
     for name, cls in (("torch", TorchFSDP), ("graphshard", graphshard.fsdp.FullyShardedDataParallel)):
