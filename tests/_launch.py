@@ -30,8 +30,8 @@ def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900,
     return results, proc
 
 
-def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: int = 900) -> list[dict]:
-    results, proc = launch(worker, args, nproc, timeout)
+def torchrun(worker: str, args: list[str], nproc: int = 2, timeout: int = 900, env: dict | None = None) -> list[dict]:
+    results, proc = launch(worker, args, nproc, timeout, env)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(proc.args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return results

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 pytest.importorskip("fbgemm_gpu")
 
 import graphshard  # noqa: E402
+from _coverage_share import full_coverage, launch_groups  # noqa: E402
 from _launch import CaseResults, run_cases  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
@@ -27,12 +28,26 @@ CASES = {2: ["dp:sgd", "dp:rowwise_adagrad", "auto:rowwise_adagrad"],
 graphshard's Triton TBE (``ShardEmbedding(kernel="triton")``) trains in tests/test_sparse_without_fbgemm.py."""
 
 
+INDUCTOR_IN_CI = {"dp:sgd"}
+"""The case CI lowers with Inductor (`_coverage_share.launch_groups`): the lookups' kernels and the
+sharded dense units in one compiled program. CI runs the others (other optimizers, the auto plan,
+the 2-D mesh: planning and exchange, not lowering) as FX; ``--coverage full`` lowers them all with
+Inductor."""
+
+
 @pytest.fixture(scope="module")
-def results():
+def results(request):
     out = CaseResults()
     for nproc, cases in CASES.items():
-        out.update(run_cases("embedding_plan.py", cases, nproc=nproc))
+        for group, env in launch_groups(request.config, cases, INDUCTOR_IN_CI):
+            out.update(run_cases("embedding_plan.py", group, nproc=nproc, env=env))
     return out
+
+
+def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
+    for case, r in results.items():
+        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        assert r.get("lowering") == want, (case, r.get("lowering"), r.get("message"))
 
 
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs])

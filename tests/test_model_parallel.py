@@ -115,9 +115,9 @@ fbgemm's kernels in one compiled program with the replicated dense part, with th
 with graphshard's Triton kernel. CI runs the others as FX (a checkpointed dense part under Inductor
 is tests/test_activation_checkpointing.py's); ``--coverage full`` lowers every case with Inductor."""
 
-LAUNCH = 4
+LAUNCH = 7
 """Cases per torchrun launch (each launch's output comes back when it ends; every launch pays the
-start-up and the imports once)."""
+start-up and the imports once, ~12 s on the 2-core machine)."""
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,27 @@ import pytest
 
 pytest.importorskip("torchrec")
 
+from _coverage_share import LOWER_ENV, full_coverage  # noqa: E402
 from _launch import torchrun  # noqa: E402
 
 TOL = 1e-5
 
 
+def _env(config) -> dict:
+    """TorchRec's loop and pipelines drive the frontend: in CI their programs run as FX (Inductor
+    lowers the DMP's programs in tests/test_model_parallel.py), under --coverage full through Inductor."""
+    return {} if full_coverage(config) else {LOWER_ENV: "eager"}
+
+
 @pytest.fixture(scope="module")
-def loop():
-    return {r["case"]: r for r in torchrun("dmp_loop.py", ["cpu", "meta"], nproc=2)}
+def loop(request):
+    return {r["case"]: r for r in torchrun("dmp_loop.py", ["cpu", "meta"], nproc=2, env=_env(request.config))}
+
+
+def test_the_loop_and_pipelines_ran_the_lowering_asked_for(loop, pipelines, request):
+    want = "inductor" if full_coverage(request.config) else "eager"
+    ran = {**{c: r["lowering"] for c, r in loop.items()}, "pipeline": pipelines["lowering"]}
+    assert set(ran.values()) == {want}, ran
 
 
 def _same_training(r: dict) -> None:
@@ -45,8 +58,8 @@ def test_torchrecs_default_plan_leaves_the_single_process(loop):
 
 
 @pytest.fixture(scope="module")
-def pipelines():
-    return torchrun("dmp_loop.py", ["pipeline"], nproc=2)[0]
+def pipelines(request):
+    return torchrun("dmp_loop.py", ["pipeline"], nproc=2, env=_env(request.config))[0]
 
 
 @pytest.mark.parametrize("plan", ["planned", "rw", "cw"])

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 import dmp as common
 from dmp_state import _init_torchrec
 from _compare import tensor_err, worst
-from _runner import run_cases
+from _runner import lowering, run_cases
 
 KEYS = ["f0", "f1", "f2", "f3"]
 ROWS = [100, 37, 200, 64]
@@ -65,8 +65,10 @@ def _model(on: str):
 def _dmp(which: str, model, plan=None):
     if which == "graphshard":
         from graphshard.model_parallel import DistributedModelParallel
-    else:
-        from torchrec.distributed.model_parallel import DistributedModelParallel
+
+        return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, lower=lowering())
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
     return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan)
 
 
@@ -209,7 +211,7 @@ def run(case: str) -> dict:
         gs = _dmp("graphshard", _model("cpu"))
         tr = _dmp("torchrec", _model("cpu"), plan=gs.plan)
         _init_torchrec(tr, init)
-        out = {"case": case, "plan": _plan_of(gs), **_compare(gs, tr, init)}
+        out = {"case": case, "lowering": lowering(), "plan": _plan_of(gs), **_compare(gs, tr, init)}
         # TorchRec's DMP with its own default planner: the same loop, the same weights
         tr_default = _dmp("torchrec", _model("cpu"))
         _init_torchrec(tr_default, init)
@@ -221,10 +223,10 @@ def run(case: str) -> dict:
         out["base_pipeline_reference_diff"] = max(abs(x - y) for x, y in zip(base, out["reference_losses"]))
         return out
     if case == "pipeline":
-        return {"case": case, **_pipelines()}
+        return {"case": case, "lowering": lowering(), **_pipelines()}
     if case == "meta":
         gs = _dmp("graphshard", _model("meta"))
-        out = {"case": case, **_meta_init(gs)}
+        out = {"case": case, "lowering": lowering(), **_meta_init(gs)}
         tr = _dmp("torchrec", _model("meta"), plan=gs.plan)
         gs.load_state_dict(tr.state_dict())  # the same start for both (each drew its own)
         init = _full_state(gs)

@@ -29,7 +29,7 @@ if any("nofbgemm" in case for case in sys.argv[1:]):
     sys.modules["fbgemm_gpu"] = None  # `import fbgemm_gpu` raises ImportError from here on
 
 from _compare import seq_err, tensor_err, worst  # noqa: E402
-from _runner import run_cases  # noqa: E402
+from _runner import lowering, run_cases  # noqa: E402
 from dmp import _full as _full_1d  # noqa: E402  # a state-dict entry as the full tensor on every rank (1-D meshes)
 
 
@@ -160,7 +160,7 @@ def run(case: str) -> dict:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         plan = Plan(mesh, {"": FullyShard(), "up": ColwiseParallel(), "down": RowwiseParallel(), **embeddings})
         dp_world, dp_rank = world // 2, mesh.get_local_rank("dp")
-    graphshard.compile(model, plan)
+    graphshard.compile(model, plan, lower=lowering())
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(STEPS):
@@ -176,7 +176,7 @@ def run(case: str) -> dict:
     spread = worst([_copies_spread(v) for v in model.state_dict().values()])  # every rank runs every gather
     chosen = {k: v.sharding_type for k, v in plan.rules.items() if isinstance(v, ShardEmbedding)}
     ref_state, ref_losses = reference(base, optimizer, dp_world, chosen)
-    return {"case": case, "keys": sorted(state), "ref_keys": sorted(ref_state), "chosen": chosen,
+    return {"case": case, "lowering": lowering(), "keys": sorted(state), "ref_keys": sorted(ref_state), "chosen": chosen,
             "notes": list(plan.notes),
             "loss": seq_err(losses, ref_losses), "copies_spread": spread,
             "params": {k: tensor_err(state[k], ref_state[k]) for k in ref_state if k in state},
