@@ -34,8 +34,11 @@ def launch_groups(config, cases, inductor_in_ci) -> list[tuple[list, dict]]:
     subject is a frontend's semantics, a plan or a sparse exchange rather than the lowering, the FX
     program runs the same collectives and ops: each suite keeps Inductor on the cases that put its
     features through it."""
-    if full_coverage(config):
-        return [(list(cases), {})] if cases else []
-    groups = [([c for c in cases if c in inductor_in_ci], {}),
-              ([c for c in cases if c not in inductor_in_ci], {LOWER_ENV: "eager"})]
+    groups = [([c for c in cases if lowering(config, c, inductor_in_ci) == lower], env)
+              for lower, env in (("inductor", {}), ("eager", {LOWER_ENV: "eager"}))]
     return [(g, env) for g, env in groups if g]
+
+
+def lowering(config, case, inductor_in_ci) -> str:
+    """The lowering `launch_groups` gives ``case``: what its worker must report running."""
+    return "inductor" if full_coverage(config) or case in inductor_in_ci else "eager"

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 pytest.importorskip("fbgemm_gpu")
 
 import graphshard  # noqa: E402
-from _coverage_share import full_coverage, launch_groups  # noqa: E402
+from _coverage_share import launch_groups, lowering  # noqa: E402
 from _launch import CaseResults, run_cases  # noqa: E402
 from graphshard import FullyShard, Plan, ShardEmbedding  # noqa: E402
 
@@ -46,7 +46,7 @@ def results(request):
 
 def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
     for case, r in results.items():
-        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        want = lowering(request.config, case, INDUCTOR_IN_CI)
         assert r.get("lowering") == want, (case, r.get("lowering"), r.get("message"))
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from _launch import CaseResults, run_cases
-from _coverage_share import ci_share, full_coverage, launch_groups
+from _coverage_share import ci_share, launch_groups, lowering
 
 TOL = 1e-5
 TWO_RANK = [
@@ -90,7 +90,7 @@ def results(request):
 
 def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
     for case, r in results.items():
-        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        want = lowering(request.config, case, INDUCTOR_IN_CI)
         assert r.get("lowering") == want, (case, r.get("lowering"), r.get("message"))
 
 

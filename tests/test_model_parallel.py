@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says when it is skipped)
 
-from _coverage_share import ci_share, full_coverage, launch_groups  # noqa: E402
+from _coverage_share import ci_share, full_coverage, launch_groups, lowering  # noqa: E402
 from _launch import JOB_FAILED, CaseResults, run_cases  # noqa: E402
 
 TOL = 1e-5
@@ -219,7 +219,7 @@ def test_compiled_once_for_dynamic_ids(results):
 def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
     # Inductor's generated code has an order of its own in explain; an FX program has none
     for case, r in results.items():
-        want = "inductor" if full_coverage(request.config) or case in INDUCTOR_IN_CI else "eager"
+        want = lowering(request.config, case, INDUCTOR_IN_CI)
         assert r["lowering"] == want, (case, r["lowering"])
         assert ("order in lowered code" in r["explain"]) == (want == "inductor"), (case, r["explain"])
 
