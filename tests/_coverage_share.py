@@ -34,9 +34,13 @@ def launch_groups(config, cases, inductor_in_ci) -> list[tuple[list, dict]]:
     subject is a frontend's semantics, a plan or a sparse exchange rather than the lowering, the FX
     program runs the same collectives and ops: each suite keeps Inductor on the cases that put its
     features through it."""
-    groups = [([c for c in cases if lowering(config, c, inductor_in_ci) == lower], env)
-              for lower, env in (("inductor", {}), ("eager", {LOWER_ENV: "eager"}))]
-    return [(g, env) for g, env in groups if g]
+    groups = [[c for c in cases if lowering(config, c, inductor_in_ci) == lower] for lower in ("inductor", "eager")]
+    return [(g, launch_env(config, g[0], inductor_in_ci)) for g in groups if g]
+
+
+def launch_env(config, case, inductor_in_ci) -> dict:
+    """The environment a launch of ``case`` adds (`lowering`)."""
+    return {} if lowering(config, case, inductor_in_ci) == "inductor" else {LOWER_ENV: "eager"}
 
 
 def lowering(config, case, inductor_in_ci) -> str:

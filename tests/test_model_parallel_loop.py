@@ -9,27 +9,29 @@ import pytest
 
 pytest.importorskip("torchrec")
 
-from _coverage_share import LOWER_ENV, full_coverage  # noqa: E402
+from _coverage_share import launch_env, lowering  # noqa: E402
 from _launch import torchrun  # noqa: E402
 
 TOL = 1e-5
 
 
-def _env(config) -> dict:
-    """TorchRec's loop and pipelines drive the frontend: in CI their programs run as FX (Inductor
-    lowers the DMP's programs in tests/test_model_parallel.py), under --coverage full through Inductor."""
-    return {} if full_coverage(config) else {LOWER_ENV: "eager"}
+INDUCTOR_IN_CI: set = set()
+"""TorchRec's loop and pipelines drive the frontend: in CI their programs run as FX (Inductor lowers
+the DMP's programs in tests/test_model_parallel.py), under --coverage full through Inductor."""
+
+
+def _env(config, case: str) -> dict:
+    return launch_env(config, case, INDUCTOR_IN_CI)
 
 
 @pytest.fixture(scope="module")
 def loop(request):
-    return {r["case"]: r for r in torchrun("dmp_loop.py", ["cpu", "meta"], nproc=2, env=_env(request.config))}
+    return {r["case"]: r for r in torchrun("dmp_loop.py", ["cpu", "meta"], nproc=2, env=_env(request.config, "cpu"))}
 
 
 def test_the_loop_and_pipelines_ran_the_lowering_asked_for(loop, pipelines, request):
-    want = "inductor" if full_coverage(request.config) else "eager"
     ran = {**{c: r["lowering"] for c, r in loop.items()}, "pipeline": pipelines["lowering"]}
-    assert set(ran.values()) == {want}, ran
+    assert ran == {c: lowering(request.config, c, INDUCTOR_IN_CI) for c in ran}, ran
 
 
 def _same_training(r: dict) -> None:
@@ -59,7 +61,7 @@ def test_torchrecs_default_plan_leaves_the_single_process(loop):
 
 @pytest.fixture(scope="module")
 def pipelines(request):
-    return torchrun("dmp_loop.py", ["pipeline"], nproc=2, env=_env(request.config))[0]
+    return torchrun("dmp_loop.py", ["pipeline"], nproc=2, env=_env(request.config, "pipeline"))[0]
 
 
 @pytest.mark.parametrize("plan", ["planned", "rw", "cw"])
