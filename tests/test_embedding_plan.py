@@ -44,12 +44,14 @@ def results(request):
     return out
 
 
+@pytest.mark.multirank
 def test_each_case_ran_the_lowering_its_launch_asked_for(results, request):
     for case, r in results.items():
         want = lowering(request.config, case, INDUCTOR_IN_CI)
         assert r.get("lowering") == want, (case, r.get("lowering"), r.get("message"))
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", [c for cs in CASES.values() for c in cs])
 def test_matches_single_process(results, case):
     r = results[case]
@@ -105,6 +107,7 @@ def test_fused_table_leaves_the_dense_plan_and_keeps_its_name():
     torch.testing.assert_close(local, weight[:3])
 
 
+@pytest.mark.multirank
 def test_auto_plan_explains_itself(results):
     r = results["auto:rowwise_adagrad"]
     assert set(r["chosen"]) == {"emb_rw", "emb_tw", "emb_cw", "emb_dp"}  # every table placed

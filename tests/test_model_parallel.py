@@ -31,6 +31,8 @@ pytest.importorskip("torchrec")  # an optional dependency (scripts/setup.sh says
 from _coverage_share import ci_share, full_coverage, launch_groups, lowering  # noqa: E402
 from _launch import JOB_FAILED, CaseResults, run_cases  # noqa: E402
 
+pytestmark = pytest.mark.multirank  # every test reads the torchrun jobs' results
+
 TOL = 1e-5
 CASES = ["dlrm:rowwise_adagrad", "dlrm:adagrad", "twotower:rowwise_adagrad", "weighted:rowwise_adagrad",
          "dlrm:inbackward_rowwise_adagrad", "dlrm:rowwise_adagrad:fsdp", "seq:rowwise_adagrad", "seq:sgd:dp",

@@ -12,6 +12,8 @@ pytest.importorskip("torchrec")
 from _coverage_share import launch_env, lowering  # noqa: E402
 from _launch import torchrun  # noqa: E402
 
+pytestmark = pytest.mark.multirank  # every test reads a torchrun job's results
+
 TOL = 1e-5
 
 

@@ -12,6 +12,8 @@ pytest.importorskip("torchrec")
 
 from _launch import torchrun  # noqa: E402
 
+pytestmark = pytest.mark.multirank  # every test reads a torchrun job's results or launches one
+
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
