@@ -143,6 +143,9 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._ops.OpOverloadPacket", "checkpointing.py (_compat.is_op: Checkpoint(save=...) validated)"),
     ("torch._higher_order_ops.wrap.tag_activation_checkpoint",
      "backend.py (the dynamo op of a checkpointed function, traced to tagged ATen ops)"),
+    ("torch._prims.rng_prims.run_and_save_rng_state",
+     "outline.py (_compat.rng_state_ops: a recomputed random op's saved CPU generator state)"),
+    ("torch._prims.rng_prims.run_with_rng_state", "outline.py (_compat.rng_state_ops)"),
     # Inductor
     ("torch._inductor.decomposition.select_decomp_table", "backend.py (_compat.inductor_decompositions)"),
     ("torch._inductor.compile_fx.partition_fn", "backend.py (_compat.inductor_partition_fn)"),

@@ -508,3 +508,12 @@ def call_invoke_subgraph(body: torch.fx.GraphModule, identifier: str, *operands)
         if cache:
             cache.add_autograd_key_entry(identifier, call)
     return call(*operands)
+
+
+def rng_state_ops():
+    """The higher-order ops aot_autograd's partitioner wraps a recomputed random op in when it
+    saves the CPU generator's state for the backward (``functionalize_rng_ops``): the forward's
+    ``run_and_save_rng_state`` and the backward's ``run_with_rng_state``."""
+    from torch._prims import rng_prims
+
+    return rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state

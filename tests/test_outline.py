@@ -131,6 +131,11 @@ def _tp_plan():
 _KEPT = re.compile(r"# Annotation|_c10d_functional|graphshard\.|aten\.(mm|addmm|bmm)\.")
 
 
+def _collectives(text: str) -> list[str]:
+    """A graph's collectives in order, without node names."""
+    return [line for line in _skeleton(text) if "_c10d_functional" in line]
+
+
 def _skeleton(text: str) -> list[str]:
     """A graph's annotations, collectives, graphshard ops and matmuls in order, without node names."""
     return [re.sub(r"(?<![.\w'])[a-z_]+(?:_\d+)?\b(?!['(.])", "v", line).strip()
@@ -173,3 +178,87 @@ class TestOutlineRefusals(TestCase):
         # invoke_subgraph refuses a body that mutates an input: such segments keep the flat trace
         _, outlined = outlined_graph(seeded(_Blocks, True), fsdp_plan(), (torch.randn(4, 8),))
         self.assertEqual(outlined.describe(), "no repeated units: 5 unit(s) traced on their own")
+
+
+def _ac_plan(mode: str = "full"):
+    return graphshard.Plan(fsdp_plan().mesh, fsdp_plan().rules,
+                           checkpoint={"layers.*": graphshard.Checkpoint(mode=mode)})
+
+
+class TestCheckpointedBodies(TestCase):
+    """Activation checkpointing in a shared body: the body's partition recomputes what the tags say,
+    and what aot_autograd hands on matches the flat program's (the reference: ``trace_once=False``)."""
+
+    def _both(self, mode: str):
+        x, _ = token_batch(0, 2, 8, 32)
+        flat_model, once_model = seeded(Transformer, DEEP), seeded(Transformer, DEEP)
+        flat = compiled_stages(flat_model, _ac_plan(mode), (x,), trace_once=False)
+        once = compiled_stages(once_model, _ac_plan(mode), (x,), trace_once=True)
+        return (flat, flat_model._graphshard.explain[0]), (once, once_model._graphshard.explain[0])
+
+    def test_full_checkpointing_is_outlined_and_recomputes_as_the_flat_program(self):
+        (flat, flat_report), (once, once_report) = self._both("full")
+        self.assertIn("trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own", once_report.notes)
+        for stage in ("forward", "backward"):
+            # the collectives in the flat program's order, and as many matmuls (the recomputed ones too);
+            # where a body's partition puts a recomputed op between them may differ from the flat one's
+            self.assertEqual(_collectives(once[stage]), _collectives(flat[stage]), stage)
+            self.assertEqual(once[stage].count("aten.mm.default("), flat[stage].count("aten.mm.default("), stage)
+        self.assertEqual(once["backward"].count("all_gather_into_tensor.default("), 4)  # re-gathered, not saved
+        self._same_account(flat_report.recompute, once_report.recompute)
+
+    def test_selective_checkpointing_is_outlined_and_saves_as_the_flat_program(self):
+        (flat, flat_report), (once, once_report) = self._both("selective")
+        self.assertIn("trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own", once_report.notes)
+        for stage in ("forward", "backward"):
+            self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
+        self._same_account(flat_report.recompute, once_report.recompute)
+
+    def _same_account(self, flat: dict, once: dict):
+        # explain's account: every block's region named by its own module, the saved bytes with and
+        # without checkpointing, and recomputation in every region
+        self.assertEqual(list(once["per_region"]), [f"layers.{i}" for i in range(4)])
+        self.assertEqual(list(once["per_region"]), list(flat["per_region"]))
+        self.assertTrue(all(sum(ops.values()) > 0 for ops in once["per_region"].values()), once)
+        self.assertEqual(once["regions"], 4)
+        # the flat trace computes the causal mask (f32[8, 8]) once for every block and may save it; a
+        # body computes its own, so the two accounts may differ by that mask and nothing else
+        mask = 8 * 8 * 4
+        self.assertLessEqual(abs(once["saved_bytes"] - flat["saved_bytes"]), mask)
+        self.assertLessEqual(abs(once["saved_bytes_without_ac"] - flat["saved_bytes_without_ac"]), mask)
+
+    def test_a_saved_generator_state_has_its_size(self):
+        # attention is tagged random whatever its dropout, so the partitioner saves the CPU generator's
+        # state around its recomputation; in a body that state came out with a symbolic size, which
+        # sent the backward to Inductor whole, as a dynamic-shape graph (`outline.concrete_rng_states`)
+        model = seeded(_AttentionBlocks)
+        g = compiled_stages(model, _ac_plan(), (torch.randn(2, 8, 16),), trace_once=True)
+        # layers.0's segment also holds the head's gather (the root's unit), so it is traced on its own
+        self.assertIn("trace once: 3 units traced as 1 body (layers.1 x3), 2 on their own",
+                      model._graphshard.explain[0].notes)
+        self.assertEqual(g["backward"].count("run_with_rng_state("), 4)
+        self.assertNotRegex(g["backward"], r'"u8\[s\d+\]"')
+        self.assertEqual(len(re.findall(r': "u8\[\d+\]"', g["backward"].split("\n")[1])), 4)  # the inputs
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48, bias=False), torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).flatten(2))
+
+
+class _AttentionBlocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Attention() for _ in range(4))
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

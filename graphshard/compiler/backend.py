@@ -92,10 +92,11 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
     dtensor_outputs = _dtensor_outputs(traced, prepared.ctx)
     random_inputs = _random_inputs(prepared.ctx)
     fake_inputs = prepared.fake_inputs + _added_inputs(traced, len(prepared.fake_inputs))
+    ac_regions = recompute.regions(traced)  # before outlining, which moves the tagged nodes into bodies
     outlined = _outline(traced, prepared.ctx)
     prepared.ctx.report.outlined = outlined
     with compiling(prepared.ctx.params), outline.timing(outlined):
-        compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined)
+        compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined, ac_regions)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
     times["aot_autograd"] = (time.perf_counter() - t2 - times.get("outline", 0) - times.get("forward_lowering", 0)
@@ -440,7 +441,8 @@ def _outline(gm: fx.GraphModule, ctx: PassContext) -> outline.Outlined:
     return outlined
 
 
-def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: outline.Outlined):
+def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: outline.Outlined,
+                 ac_regions: dict[int, str]):
     partitioned = False  # the post-partition passes ran when the joint graph was partitioned
     ahead: dict = {}     # the backward's regions, compiled with the forward's
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
@@ -463,17 +465,17 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         if body:
             start = time.perf_counter()
             try:
-                return base(joint, joint_inputs, **kwargs)
+                return recompute.partition_body(joint, base, kwargs, outlined)
             finally:
                 outlined.partition_seconds += time.perf_counter() - start
-        regions = recompute.regions(joint)
-        untagged = recompute.without_checkpointing(joint) if regions else None  # before base: it edits the tags
+        untagged = recompute.without_checkpointing(joint) if ac_regions else None  # before base: it edits the tags
         fw, bw = base(joint, joint_inputs, **kwargs)
         # lazy code generation: the passes recompile them, and regional lowering never runs them as code
         # (aot_autograd's lazy backward deep-copies the backward, which regenerates a plain module's code)
         fw, bw = (_compat.lazy_graph_module(outline.inline_calls(g, outlined)) for g in (fw, bw))
-        if regions:
-            ctx.report.recompute = _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx)
+        if ac_regions:
+            ctx.report.recompute = recompute.account(fw, bw, untagged, ac_regions, base, joint_inputs, kwargs,
+                                                      ctx.report, outlined)
         ctx.stage = "forward"
         fw = run_passes(fw, ctx, post_partition_passes())
         ctx.stage = "backward"
@@ -560,22 +562,6 @@ def _no_dropped_gradients():
                 f"gradient: {str(e).split('. ')[0]}. graphshard traced below an autograd wrapper that holds the "
                 "op's gradient; register the op's derivative (torch.library.register_autograd) or report it"
             ) from e
-
-
-def _recompute_summary(fw, bw, untagged, regions, base, joint_inputs, kwargs, ctx: PassContext) -> dict:
-    """``explain``'s account of activation checkpointing: what the backward recomputes and the bytes
-    saved for it, with and without (the joint graph partitioned once more without the AC tags). An
-    account that fails is logged and left out; the compile goes on."""
-    start = time.perf_counter()
-    try:
-        saved_without = recompute.saved_bytes(base(untagged, joint_inputs, **kwargs)[0], kwargs["num_fwd_outputs"])
-        summary = recompute.summary(fw, bw, kwargs["num_fwd_outputs"], saved_without, regions)
-    except Exception as e:  # noqa: BLE001 - an account for explain must not fail the compile
-        log.warning("graphshard: no activation-checkpointing account for explain (%s: %s)", type(e).__name__, e)
-        ctx.report.notes.append(f"activation checkpointing: no account of saved bytes ({type(e).__name__})")
-        return {}
-    ctx.report.compile_seconds["ac_accounting"] = time.perf_counter() - start
-    return summary
 
 
 def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, lower):

@@ -27,8 +27,11 @@ that beginning is a call of it and the tail stays in line (`_share_prefix`). Not
 is traced as before, and ``explain`` notes how many units were shared): a segment whose
 structure no other segment shares (the root's, which holds the embeddings), one that writes one
 of its inputs, one that would return a view of its own input (which ``invoke_subgraph``
-refuses), one with a data-dependent size, and one with activation checkpointing (``explain``'s
-account of what is recomputed reads the flat joint graph).
+refuses), one with a data-dependent size, and one whose checkpointed random op would have its
+generator's state threaded through the graphs off the CPU (`_seeded_off_cpu`).
+
+Activation checkpointing is outlined like the rest: the body's partition recomputes what its tags
+say, and ``explain``'s account adds each body's saved bytes without the tags (`Outlined.ac_saved`).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ class Outlined:
                                                                 # aot_autograd traced (its one joint trace,
                                                                 # and each call's reuse of it)
     partition_seconds: float = 0.0                              # the bodies' partitions (once each)
+    ac_saved: dict[str, tuple[int, int]] = field(default_factory=dict)  # body attribute -> bytes its forward
+                                                                # saves, with its checkpointing tags and without
+    in_line: collections.Counter = field(default_factory=collections.Counter)  # why repeated units stayed in line
 
     @property
     def shared(self) -> dict[str, int]:
@@ -89,11 +95,12 @@ class Outlined:
             return f"not on {self.unavailable}: every unit traced on its own"
         shared = self.shared
         alone = self.units - len(self.calls)
+        why = "".join(f"; {n} in line: {reason}" for reason, n in self.in_line.items())
         if not shared:
-            return f"no repeated units: {alone} unit(s) traced on their own"
+            return f"no repeated units: {alone} unit(s) traced on their own{why}"
         parts = ", ".join(f"{self.bodies[b].units[0] or '<root>'} x{n}" for b, n in shared.items())
         bodies = "1 body" if len(shared) == 1 else f"{len(shared)} bodies"
-        return f"{len(self.calls)} units traced as {bodies} ({parts}), {alone} on their own"
+        return f"{len(self.calls)} units traced as {bodies} ({parts}), {alone} on their own{why}"
 
 
 def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bool]) -> Outlined:
@@ -110,7 +117,7 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
         return outlined
     grad = _requires_grad(gm, input_requires_grad)
     groups: dict[str, list[_Segment]] = {}
-    keys = [_key(seg, params, grad) for seg in segments]
+    keys = [_key(seg, params, grad, outlined.in_line) for seg in segments]
     for seg, key in zip(segments, keys):
         if key is not None:
             groups.setdefault(key, []).append(seg)
@@ -203,7 +210,28 @@ def inline_calls(gm: fx.GraphModule, outlined: Outlined) -> fx.GraphModule:
         if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
             delattr(gm, name)
     graph.eliminate_dead_code()
+    concrete_rng_states(gm)
     return gm
+
+
+def concrete_rng_states(gm: fx.GraphModule) -> None:
+    """Gives the CPU generator states a partitioned body saves for its recomputed random ops their
+    size. The partitioner wraps such an op (attention is one, whatever its dropout) in
+    ``run_and_save_rng_state``, whose state the forward returns and the backward's
+    ``run_with_rng_state`` restores. In a body that state is a real tensor met while the outer graph
+    is traced, so its fake value came out with a symbolic size (``u8[s21]``), which would send the
+    whole backward to Inductor as one dynamic-shape graph. Its size is the generator's, always."""
+    save, restore = _compat.rng_state_ops()
+    states = [n for n in gm.graph.find_nodes(op="call_function", target=operator.getitem)
+              if n.args[1] == 0 and getattr(n.args[0], "target", None) is save]
+    states += [n for n in gm.graph.find_nodes(op="placeholder")
+               if n.users and all(u.target is restore and u.args[0] is n for u in n.users)]
+    for node in states:
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and not _concrete(v):
+            with _compat.outside_fake_mode():
+                real = torch.get_rng_state()
+            node.meta["val"] = v.fake_mode.from_tensor(real, static_shapes=True)
 
 
 # ---- segments ------------------------------------------------------------------------------
@@ -286,10 +314,11 @@ def _requires_grad(gm: fx.GraphModule, input_requires_grad: list[bool]) -> dict[
     return out
 
 
-def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
+def _key(seg: _Segment, params: dict, grad: dict, in_line: collections.Counter | None = None) -> str | None:
     """The segment's structure, or None when it cannot be outlined: its ops and their arguments
     by position, its inputs' metadata, the layouts its unshards gather (without the FQN) and the
-    partitioner's tags, relative to the segment."""
+    partitioner's tags, relative to the segment. A reason worth ``explain``'s note is counted in
+    ``in_line``."""
     if not seg.outputs:
         return None
     inputs = set(seg.inputs)
@@ -311,8 +340,10 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
         if not all(_concrete(v) for v in (vals if isinstance(vals, (list, tuple)) else [vals])
                    if isinstance(v, (torch.Tensor, torch.SymInt))):
             return None  # a data-dependent size (a sparse all-to-all's): one call's symbols are not another's
-        if "recompute" in node.meta and not _is_gather(node):
-            return None  # activation checkpointing: explain's account of it reads the flat joint graph
+        if _seeded_off_cpu(node):
+            if in_line is not None:
+                in_line[f"a checkpointed random op ({node.target}) off the CPU"] += 1
+            return None
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: index[a])
         if node.target == ops.unshard.default:
             args = (args[0][0], tuple(_layout_fact(params[k]) for k in node.args[1]))
@@ -326,6 +357,22 @@ def _key(seg: _Segment, params: dict, grad: dict) -> str | None:
         if not isinstance(out.meta.get("val"), torch.Tensor) or view_base(out) in inputs:
             return None  # invoke_subgraph returns fresh tensors only
     return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _seeded_off_cpu(node: fx.Node) -> bool:
+    """A recomputed op tagged random (attention is, whatever its dropout) on a device whose generator
+    torch's partitioner threads through the partitioned graphs as inputs of their own
+    (``graphsafe_rng_functionalization``, CUDA's): inputs a shared body's call does not pass, so the
+    segment stays in line. On the CPU the partitioner saves the generator's state as a tensor the
+    forward returns (`concrete_rng_states`)."""
+    tag = getattr(node.meta.get("recompute"), "name", "")
+    if not tag.endswith("RECOMPUTE") or _is_gather(node):
+        return False
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    vals = node.meta.get("val")
+    return any(isinstance(v, torch.Tensor) and v.device.type != "cpu"
+               for v in (vals if isinstance(vals, (list, tuple)) else [vals]))
 
 
 def _concrete(v) -> bool:
@@ -422,6 +469,13 @@ def _call_of(node: fx.Node, outlined: Outlined) -> Call:
     if index is None:  # its nodes would keep the first call's units: a wrong schedule, never silently
         raise AssertionError(f"{node.name} ({node.args[1]}) does not say which outlined call it was traced from")
     return outlined.calls[index]
+
+
+def body_of_regions(outlined: Outlined, regions) -> str | None:
+    """The body whose checkpointed regions (``ac_graph_id``, the first call's) are ``regions``: how a
+    body's joint, which aot_autograd partitions by the call's identifier alone, is told apart."""
+    ids = {r for r in regions if r is not None}
+    return next((name for name, call in outlined.bodies.items() if ids and ids <= set(call.regions)), None)
 
 
 def _regions(seg: _Segment) -> list[int]:

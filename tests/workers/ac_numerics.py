@@ -15,7 +15,9 @@ Each CASE is ``form:layout:lower``:
 - layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``hybrid`` (HSDP: a 2x2
   "replicate" x "shard" mesh; 4 ranks), ``tp`` (tensor parallel, 1-D "tp"), ``fsdp_tp`` (2x2 mesh:
   FullyShard on "dp", tensor parallel on "tp"; 4 ranks);
-- lower: ``inductor`` or ``eager``.
+- lower: ``inductor`` or ``eager``;
+- an optional flag ``deep``: 4 blocks instead of 2, so that blocks repeat and their checkpointed
+  bodies are traced and partitioned once (`graphshard.compiler.outline`).
 
 Every case trains the tied-embedding transformer for 4 steps of SGD with momentum on each rank's
 slice of the global batch and compares the loss and every gathered parameter with the single
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import io
 import logging
@@ -123,13 +126,13 @@ class SkippedFrameTransformer(Transformer):
         return self.output(self.norm(h))
 
 
-def build(form: str) -> nn.Module:
+def build(form: str, cfg: TransformerConfig) -> nn.Module:
     torch.manual_seed(0)
     if form == "skipped":
-        return SkippedFrameTransformer(SMALL)
+        return SkippedFrameTransformer(cfg)
     if form in ("fn", "sac", "reentrant"):
-        return CheckpointedTransformer(SMALL, selective=form == "sac", reentrant=form == "reentrant")
-    model = Transformer(SMALL)
+        return CheckpointedTransformer(cfg, selective=form == "sac", reentrant=form == "reentrant")
+    model = Transformer(cfg)
     if form == "wrapper":
         apply_activation_checkpointing(
             model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
@@ -212,22 +215,24 @@ def recompute_report(model) -> dict:
 
 
 def run_case(case: str) -> dict:
-    form, layout, lower = case.split(":")
+    form, layout, lower, *flags = case.split(":")
+    layers = 4 if "deep" in flags else 2
     if form == "dropout":
-        return dropout_case(layout, lower)
+        return {**dropout_case(layout, lower, layers), "case": case}
     torch._dynamo.reset()
-    model = build(form)
+    cfg = dataclasses.replace(SMALL, n_layers=layers)
+    model = build(form, cfg)
     ref = reference(form, model)
     plan, dp_world, dp_rank = plan_for(layout, form, dist.get_world_size())
     graphshard.compile(model, plan, lower=lower)
-    batches = [token_batch(step, 2 * dp_world, SMALL.max_seq_len, SMALL.vocab_size, seed=4) for step in range(STEPS)]
+    batches = [token_batch(step, 2 * dp_world, cfg.max_seq_len, cfg.vocab_size, seed=4) for step in range(STEPS)]
     mine = [(x[2 * dp_rank:2 * dp_rank + 2], y[2 * dp_rank:2 * dp_rank + 2]) for x, y in batches]
     loss_of = lambda m, x, y: lm_loss(m(x), y)
     losses = mean_over_ranks(train(model, mine, loss_of))
     ref_losses = train(ref, batches, loss_of)
     ours, theirs = full_params(model), full_params(ref)
     assert list(ours) == list(theirs), (list(ours), list(theirs))
-    return {"case": case, "loss_err": seq_err(losses, ref_losses),
+    return {"case": case, "layers": layers, "loss_err": seq_err(losses, ref_losses),
             "param_err": worst(tensor_err(ours[k], theirs[k]) for k in ours), **recompute_report(model)}
 
 
@@ -260,11 +265,11 @@ class DropoutStack(nn.Module):
         return x, drops
 
 
-def dropout_case(layout: str, lower: str) -> dict:
+def dropout_case(layout: str, lower: str, layers: int) -> dict:
     torch._dynamo.reset()
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = DropoutStack()
+    model = DropoutStack(layers)
     ref = copy.deepcopy(model)
     if layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
@@ -304,7 +309,7 @@ def dropout_case(layout: str, lower: str) -> dict:
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     ours, theirs = full_params(model), full_params(ref)
-    return {"case": f"dropout:{layout}:{lower}", "loss_err": seq_err(mean_over_ranks(losses), ref_losses),
+    return {"layers": layers, "loss_err": seq_err(mean_over_ranks(losses), ref_losses),
             "param_err": worst(tensor_err(ours[k], theirs[k]) for k in ours), "kept_fraction": max(kept),
             **recompute_report(model)}
 
