@@ -31,6 +31,8 @@ def all_cases() -> list[str]:
         cases += [f"{name}:{s}:{lower}" for s in strategies for lower in LOWERINGS]
         # the AC column: HF's gradient_checkpointing_enable() under FSDP and FSDP + TP, compiled by Inductor
         cases += [f"{name}:{s}:inductor:ac" for s in strategies if s != "tp"]
+        # and with 4 blocks, so that the checkpointed blocks repeat and share one traced body
+        cases += [f"{name}:{s}:inductor:ac:deep" for s in strategies if s != "tp"]
         # the trace-once column: 4 blocks, so that blocks repeat and share one traced body
         cases += [f"{name}:{s}:eager:deep" for s in strategies]
         # the GPU's collective forms (Plan(collectives="nccl")) on gloo: each unit's gather in place

@@ -8,6 +8,7 @@ cases) and the model-coverage suite (the ``deep`` cases: 4 blocks of each archit
 import dataclasses
 import re
 
+import pytest
 import torch
 from expecttest import TestCase
 
@@ -185,6 +186,11 @@ def _ac_plan(mode: str = "full"):
                            checkpoint={"layers.*": graphshard.Checkpoint(mode=mode)})
 
 
+# the last block stays in line: the tail would keep its output, which the flat partition recomputes
+_AC_OUTLINED = ("trace once: 3 units traced as 1 body (layers.0 x3), 2 on their own; "
+                "1 in line: the last checkpointed block, whose output the code after it would keep")
+
+
 class TestCheckpointedBodies(TestCase):
     """Activation checkpointing in a shared body: the body's partition recomputes what the tags say,
     and what aot_autograd hands on matches the flat program's (the reference: ``trace_once=False``)."""
@@ -198,7 +204,7 @@ class TestCheckpointedBodies(TestCase):
 
     def test_full_checkpointing_is_outlined_and_recomputes_as_the_flat_program(self):
         (flat, flat_report), (once, once_report) = self._both("full")
-        self.assertIn("trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own", once_report.notes)
+        self.assertIn(_AC_OUTLINED, once_report.notes)
         for stage in ("forward", "backward"):
             # the collectives in the flat program's order, and as many matmuls (the recomputed ones too);
             # where a body's partition puts a recomputed op between them may differ from the flat one's
@@ -209,7 +215,7 @@ class TestCheckpointedBodies(TestCase):
 
     def test_selective_checkpointing_is_outlined_and_saves_as_the_flat_program(self):
         (flat, flat_report), (once, once_report) = self._both("selective")
-        self.assertIn("trace once: 4 units traced as 1 body (layers.0 x4), 1 on their own", once_report.notes)
+        self.assertIn(_AC_OUTLINED, once_report.notes)
         for stage in ("forward", "backward"):
             self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
         self._same_account(flat_report.recompute, once_report.recompute)
@@ -227,15 +233,51 @@ class TestCheckpointedBodies(TestCase):
         self.assertLessEqual(abs(once["saved_bytes"] - flat["saved_bytes"]), mask)
         self.assertLessEqual(abs(once["saved_bytes_without_ac"] - flat["saved_bytes_without_ac"]), mask)
 
+    def test_hf_gradient_checkpointing_saves_as_the_flat_program(self):
+        # HF's own switch on a 4-layer Llama: each layer's checkpoint body calls the one region body
+        # dynamo traced in layers.0, whose nodes name layers.0's modules; they are pointed at their own
+        # layer (`regions.traced_at`), so each layer's region and unit segment is its own. A segment
+        # begins with its layer's first node, the norm's steps before its weight included
+        # (`outline._begin_at_blocks`): cut at the gather, every call kept the next layer's normalized
+        # input, one activation a layer more than the flat program (2 KiB each here)
+        pytest.importorskip("transformers")
+        import workers.hf_archs as hf_archs
+
+        def compiled(trace_once: bool):
+            torch._dynamo.reset()
+            model = hf_archs.build("llama", layers=4)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+            units = {fqn: graphshard.FullyShard() for fqn in ["", *hf_archs.unit_fqns(model)]}
+            graphshard.compile(model, graphshard.Plan(mesh1d("dp"), units), lower="eager", trace_once=trace_once)
+            hf_archs.loss_of(model(**hf_archs.batch("llama", 0, 2))).backward()
+            return model._graphshard.explain[0]
+
+        flat, once = compiled(False), compiled(True)
+        self.assertIn("trace once: 3 units traced as 1 body (model.layers.0 x3), 2 on their own; 1 in line: "
+                      "the last checkpointed block, whose output the code after it would keep", once.notes)
+        layers = [f"model.layers.{i}" for i in range(4)]
+        self.assertEqual(list(flat.recompute["per_region"]), layers)
+        self.assertEqual(list(once.recompute["per_region"]), layers)
+        activation = 2 * 8 * 32 * 4  # f32[2, 8, 32]: what the layers hand on
+        # the masks differ (a body makes its own from the boolean one), never by an activation
+        self.assertLess(abs(once.recompute["saved_bytes"] - flat.recompute["saved_bytes"]), activation)
+
     def test_a_saved_generator_state_has_its_size(self):
         # attention is tagged random whatever its dropout, so the partitioner saves the CPU generator's
         # state around its recomputation; in a body that state came out with a symbolic size, which
         # sent the backward to Inductor whole, as a dynamic-shape graph (`outline.concrete_rng_states`)
-        model = seeded(_AttentionBlocks)
+        model, flat_model = seeded(_AttentionBlocks), seeded(_AttentionBlocks)
         g = compiled_stages(model, _ac_plan(), (torch.randn(2, 8, 16),), trace_once=True)
-        # layers.0's segment also holds the head's gather (the root's unit), so it is traced on its own
-        self.assertIn("trace once: 3 units traced as 1 body (layers.1 x3), 2 on their own",
+        compiled_stages(flat_model, _ac_plan(), (torch.randn(2, 8, 16),), trace_once=False)
+        # layers.0's segment also holds the head's gather (the root's unit), so it is traced on its own;
+        # the head (the root's segment, in line) reads layers.3's output, so layers.3 stays in line too
+        self.assertIn("trace once: 2 units traced as 1 body (layers.1 x2), 3 on their own; 1 in line: "
+                      "the last checkpointed block, whose output the code after it would keep",
                       model._graphshard.explain[0].notes)
+        # and the forward saves what the flat one saves, to the byte (no mask here: the attention is causal)
+        self.assertEqual(model._graphshard.explain[0].recompute["saved_bytes"],
+                         flat_model._graphshard.explain[0].recompute["saved_bytes"])
         self.assertEqual(g["backward"].count("run_with_rng_state("), 4)
         self.assertNotRegex(g["backward"], r'"u8\[s\d+\]"')
         self.assertEqual(len(re.findall(r': "u8\[\d+\]"', g["backward"].split("\n")[1])), 4)  # the inputs

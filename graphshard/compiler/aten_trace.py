@@ -176,7 +176,7 @@ class _Bodies:
             name = f"body{next(self._ids)}"
             self.names[key] = name
             self.traces[name] = (traced, [_metadata(v) for v in values])
-            self.origins[name] = stack
+            self.origins[name] = regions.traced_at(body, stack)
         self.stacks.append(stack)
         return torch.ops.graphshard.region(name, list(operands))
 

@@ -50,6 +50,7 @@ import torch.fx as fx
 from graphshard import _compat
 from graphshard.ops import ops
 from graphshard.passes.context import BLOCK
+from graphshard.passes.tag_recomputation import module_of
 
 BODY = "graphshard_body"
 """``meta`` key of a node that `inline_calls` put back: the body (attribute name) it was copied
@@ -124,6 +125,11 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
     for seg, key in zip(segments, keys):
         if key is None or len(groups[key]) == 1:
             _share_prefix(seg, key, groups, params, grad)
+    for segs in groups.values():
+        kept = [seg for seg in segs if not _hands_on_recomputable(seg)]
+        if len(segs) > 1 and len(kept) < len(segs):
+            outlined.in_line["the last checkpointed block, whose output the code after it would keep"] += len(segs) - len(kept)
+        segs[:] = kept
     replaced: dict[fx.Node, fx.Node] = {}  # a replaced segment's output -> the item of its call
     for key, segs in groups.items():
         if len(segs) < 2:
@@ -262,7 +268,28 @@ def _segments(gm: fx.GraphModule, params: dict) -> list[_Segment]:
             segments.append(current)
         if current is not None:
             current.nodes.append(node)
+    if not by_block:
+        _begin_at_blocks(segments)
     return [_with_boundary(seg) for seg in segments]
+
+
+def _begin_at_blocks(segments: list[_Segment]) -> None:
+    """Moves the nodes that end a segment but were traced in the next unit's module (a norm's
+    steps before its weight, which come before the unit's gather) to the next unit's segment.
+    Cut at the gather, a block's body would end with the next block's first steps and hand their
+    value on: under activation checkpointing the next call then keeps it for its recomputation,
+    where the flat partition recomputes it from the block's output (one activation a block)."""
+    for prev, seg in zip(segments, segments[1:]):
+        unit = seg.units[0]
+        moved: list[fx.Node] = []
+        while unit and len(prev.nodes) > 1 and _traced_in(prev.nodes[-1], unit):
+            moved.append(prev.nodes.pop())
+        seg.nodes[:0] = reversed(moved)
+
+
+def _traced_in(node: fx.Node, unit: str) -> bool:
+    module = module_of(node)
+    return module is not None and (module == unit or module.startswith(unit + "."))
 
 
 def _unit_start(node: fx.Node, params: dict, by_block: bool) -> str | None:
@@ -298,6 +325,22 @@ def _share_prefix(seg: _Segment, key: str | None, groups: dict, params: dict, gr
                 groups[key].remove(seg)
             segs.append(prefix)
             return
+
+
+def _hands_on_recomputable(seg: _Segment) -> bool:
+    """Whether a checkpointed value the segment makes is read by code that is not checkpointed
+    (the model's tail reads the last block's output). As a call's result, that value is one the
+    reader's backward keeps; the flat partition recomputes it with the rest of its region instead
+    (a norm after the last block saves its input). Kept in line, such a block costs one block's
+    trace and saves nothing more than the flat program; the blocks before it read into checkpointed
+    code, whose recomputation needs its input saved either way."""
+    return any(_checkpointed(out) and any(u.op != "output" and not _checkpointed(u) for u in out.users)
+               for out in seg.outputs)
+
+
+def _checkpointed(node: fx.Node) -> bool:
+    """Whether ``node`` is in a checkpointed region (a unit's gather carries the partitioner's tag too)."""
+    return "recompute" in node.meta and not _is_gather(node)
 
 
 def _requires_grad(gm: fx.GraphModule, input_requires_grad: list[bool]) -> dict[fx.Node, bool]:
@@ -366,7 +409,7 @@ def _seeded_off_cpu(node: fx.Node) -> bool:
     segment stays in line. On the CPU the partitioner saves the generator's state as a tensor the
     forward returns (`concrete_rng_states`)."""
     tag = getattr(node.meta.get("recompute"), "name", "")
-    if not tag.endswith("RECOMPUTE") or _is_gather(node):
+    if not tag.endswith("RECOMPUTE") or not _checkpointed(node):
         return False
     if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
         return False

@@ -57,9 +57,11 @@ def without_checkpointing(joint: fx.GraphModule) -> fx.GraphModule:
 
 def saved_bytes(fw: fx.GraphModule, num_fwd_outputs: int) -> int:
     """Bytes the forward graph saves for the backward (its outputs after the user's), counting
-    the tensors whose sizes are known when compiling (a lookup's rows depend on the batch's ids)."""
+    the tensors whose sizes are known when compiling (a lookup's rows depend on the batch's ids),
+    each value once: the inlined calls of a shared body each save what they read, and consecutive
+    calls read one value (the block between them's output, the attention mask)."""
     out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
-    return sum(_nbytes(v) for v in out.args[0][num_fwd_outputs:])
+    return sum(_nbytes(v) for v in dict.fromkeys(out.args[0][num_fwd_outputs:]))
 
 
 def _nbytes(node) -> int:

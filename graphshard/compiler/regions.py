@@ -199,7 +199,6 @@ def inline_regions(gm: fx.GraphModule, keep_calls: bool = False) -> tuple[int, s
     for call in kept:
         bodies.add(call.args[1])
     count += len(kept)
-    origins = {}  # body -> the module stack of the call dynamo traced it at (its first)
     while True:
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop and n not in kept]
         if not calls:
@@ -207,9 +206,10 @@ def inline_regions(gm: fx.GraphModule, keep_calls: bool = False) -> tuple[int, s
         for call in calls:
             bodies.add(call.args[1])  # the identifier dynamo gave the body
             attrs.add(call.args[0].target)
-            origin = origins.setdefault(call.args[0].target, call.meta.get("nn_module_stack"))
-            copies = inline_call(gm, call, getattr(gm, call.args[0].target), call.args[2:])
-            relocate_module_stacks(copies, origin, call.meta.get("nn_module_stack"))
+            body, stack = getattr(gm, call.args[0].target), call.meta.get("nn_module_stack")
+            origin = traced_at(body, stack)
+            copies = inline_call(gm, call, body, call.args[2:])
+            relocate_module_stacks(copies, origin, stack)
             count += 1
     if count > len(kept):
         for node in list(gm.graph.nodes):
@@ -265,6 +265,20 @@ def inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, operand
         gm.graph.erase_node(user)
     gm.graph.erase_node(call)
     return [v for k, v in env.items() if k.op != "placeholder"]
+
+
+def traced_at(body: fx.GraphModule, stack: dict | None) -> dict | None:
+    """The module stack of the call dynamo traced ``body`` at, as its nodes name it: their stacks'
+    first entries, as many as the call's ``stack`` has. A body is traced once and shared by every
+    call whose guards hold, also across the bodies of other calls (each layer's checkpoint body
+    calls the one region body traced in the first layer), so a call's own stack does not say it."""
+    if not stack:
+        return stack
+    for node in body.graph.nodes:
+        own = node.meta.get("nn_module_stack")
+        if own and len(own) >= len(stack):
+            return dict(list(own.items())[:len(stack)])
+    return stack
 
 
 def relocate_module_stacks(copies: list[fx.Node], origin: dict | None, call: dict | None) -> None:
