@@ -27,8 +27,11 @@ that beginning is a call of it and the tail stays in line (`_share_prefix`). Not
 is traced as before, and ``explain`` notes how many units were shared): a segment whose
 structure no other segment shares (the root's, which holds the embeddings), one that writes one
 of its inputs, one that would return a view of its own input (which ``invoke_subgraph``
-refuses), one with a data-dependent size, and one whose checkpointed random op would have its
-generator's state threaded through the graphs off the CPU (`_seeded_off_cpu`).
+refuses), one with a data-dependent size, one whose checkpointed random op would have its
+generator's state threaded through the graphs off the CPU (`_seeded_off_cpu`), and a checkpointed
+block whose output code outside checkpointing reads, the last one (`_hands_on_recomputable`).
+A unit's segment begins with its block's first node where that comes before its gather (a norm's
+steps before its weight, `_begin_at_blocks`).
 
 Activation checkpointing is outlined like the rest: the body's partition recomputes what its tags
 say, and ``explain``'s account adds each body's saved bytes without the tags (`Outlined.ac_saved`).
