@@ -517,6 +517,14 @@ def _ac_vs_peer(records, out: dict, subject: str, peer: str, layers: int, reps: 
         theirs = _pr(records, _ac_label(peer, ac), _ac_label(peer, "none"), layers, reps, key)
         return C.paired_ratio(mine, theirs)
 
+    def added_vs(ac: str) -> float | None:
+        """Seconds AC adds to a step, ours / theirs: the overhead without dividing by each no-AC step."""
+        def added(v):
+            a = per_rep(records, _ac_label(v, ac), layers, "step_s", reps)
+            b = per_rep(records, _ac_label(v, "none"), layers, "step_s", reps)
+            return [x - y if x is not None and y is not None else None for x, y in zip(a, b)]
+        return C.paired_ratio(added(subject), added(peer))
+
     for what, key, ratio, target in [
         ("activation MiB, full AC", "act_full_vs_peer",
          C.paired_ratio(per_rep(records, _ac_label(subject, "full"), layers, "activation_mib", reps),
@@ -530,6 +538,7 @@ def _ac_vs_peer(records, out: dict, subject: str, peer: str, layers: int, reps: 
          AC_TARGETS["overhead_full_vs_peer"]),
         ("AC step overhead (selective/none), ours / theirs", "overhead_selective_vs_peer", overhead_vs("selective"),
          AC_TARGETS["overhead_selective_vs_peer"]),
+        ("AC step overhead (full - none, seconds), ours / theirs", "added_full_vs_peer", added_vs("full"), None),
         *[(f"AC CPU s/step overhead ({ac}/none), ours / theirs (less sensitive to other jobs)",
            f"cpu_overhead_{ac}_vs_peer", overhead_vs(ac, "cpu_s"), None) for ac in ("full", "selective")],
         *[(f"step time, {ac}", f"step_{ac}_vs_peer",
