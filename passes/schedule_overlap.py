@@ -101,6 +101,18 @@ def _exclusive_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
     return sorted(prep, key=index.__getitem__)
 
 
+def _reduction_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
+    """`_exclusive_prep` of a gradient reduction. On gloo's all-to-all form the pack has a second
+    output, the row this rank keeps, which only the reduction's own ``unpack_reduced`` reads: the
+    pack (and what exists only to build it) moves with the reduction all the same."""
+    prep = _exclusive_prep(start, index)
+    x = start.args[0]
+    if x.target is operator.getitem and x.args[0].target == torch.ops.graphshard.pack_grads_peers.default:
+        pack = x.args[0]
+        prep = list({n: None for n in prep + _exclusive_prep(pack, index) + [pack, *pack.users]})
+    return sorted((n for n in prep if n is not start), key=index.__getitem__)
+
+
 def unit_name(node: fx.Node, fallback: str) -> str:
     unit = (node.meta.get("custom") or {}).get("graphshard_unit")
     return fallback if unit is None else (unit or "<root>")
@@ -141,7 +153,7 @@ def schedule_overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                                          or n.target == _WAIT else 0.5)
         elif _STARTS[s.target] in _REDUCTIONS and ctx.stage == "backward":
             w = waits[s][0]
-            for n in _exclusive_prep(s, index) + [s]:
+            for n in _reduction_prep(s, index) + [s]:
                 key[n] = -math.inf
             key[w] = math.inf
     if ctx.stage == "backward":
@@ -254,10 +266,10 @@ def _place_gathers(gathers, mode, limit, starts, waits, uses, first_use, index, 
         if mode == "pre":
             _add_deps(roots, waits[anchor], extra_deps)
         else:
-            grads = [x for r in reductions for x in _inputs(_exclusive_prep(r, index) + [r])]
+            grads = [x for r in reductions for x in _inputs(_reduction_prep(r, index) + [r])]
             _add_deps(roots, earlier(uses[anchor] + grads), extra_deps)
         for r in reductions:  # FSDP1 issues the prefetch before the current unit's reduction
-            rchain = _exclusive_prep(r, index) + [r]
+            rchain = _reduction_prep(r, index) + [r]
             _add_deps([n for n in rchain if not any(x in rchain for x in n.all_input_nodes)], [ag], extra_deps)
 
 

@@ -1,5 +1,5 @@
 """The ops around a unit's gradient reduction (``graphshard::pack_grads``,
-``graphshard::unpack_reduced``): their layout against a hand-written torch reference, with
+``graphshard::pack_grads_peers``, ``graphshard::unpack_reduced``): their layout against a hand-written torch reference, with
 sizes that are no multiples of 4, 8 or 16, eagerly and under Inductor.
 
 ``unpack_reduced``'s outputs are new tensors, as its fake impl says: Inductor assumes such
@@ -35,6 +35,39 @@ def test_pack_grads_is_rank_major(world):
     for r in range(world):
         expected = torch.cat([_chunks(g, world)[r] for g in grads])
         assert torch.equal(buf[r], expected), r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_pack_grads_peers_splits_off_this_ranks_row(world):
+    # gloo's all-to-all form: the other ranks' rows in rank order (what this rank sends), and
+    # its own row (what it keeps), each padded as DTensor's Shard(0) pieces
+    torch.manual_seed(0)
+    grads = [torch.randn(s) for s in SIZES]
+    numels = [-(-s[0] // world) * (s[1] if len(s) > 1 else 1) for s in SIZES]
+    for rank in range(world):
+        peers, own = ops.pack_grads_peers(grads, world, rank, numels, torch.float32)
+        rows = [torch.cat([_chunks(g, world)[r] for g in grads]) for r in range(world)]
+        assert torch.equal(own, rows[rank]), rank
+        assert torch.equal(peers.view(world - 1, -1), torch.stack(rows[:rank] + rows[rank + 1:])), rank
+        assert peers.untyped_storage().data_ptr() != own.untyped_storage().data_ptr(), "two buffers"
+
+
+def test_unpack_reduced_averages_the_kept_row_in():
+    # the received rows (world - 1 of them) and the row this rank kept: the mean of all world
+    numels, keep = [49, 7, 39, 3], [49, 6, 39, 2]
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    torch.manual_seed(0)
+    recv, own = torch.randn(3, sum(numels)), torch.randn(sum(numels))
+    mean = torch.cat([recv, own[None]]).mean(0)
+    expected = [mean[s:s + k] for s, k in zip(starts, keep)]
+
+    def cut(b, o):
+        return ops.unpack_reduced(b.view(-1), 3, numels, keep, o)
+
+    for got in (cut(recv, own), torch.compile(cut, backend="inductor", fullgraph=True)(recv, own)):
+        for g, e in zip(got, expected):
+            assert torch.isfinite(g).all()
+            torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

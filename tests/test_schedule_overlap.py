@@ -164,7 +164,9 @@ class GraphModule(torch.nn.Module):
     def test_gloo_axis_reduces_gradients_by_all_to_all(self):
         # gloo has no reduce-scatter of its own (c10d runs an all-reduce of the whole bucket):
         # on a gloo axis each unit's gradients go out in one all-to-all, scheduled like the
-        # reduce-scatter it stands for, and unpack_reduced averages the 4 rows it receives.
+        # reduce-scatter it stands for. A rank sends only the other ranks' rows (its own split is
+        # 0; rank 0 here) and keeps its own, which unpack_reduced averages with the 3 rows it
+        # receives: the send and receive buffers are 3 shards each (f32[48]), not the bucket.
         model = stack()
         with mock.patch.object(AxisGroup, "scatter_by_all_to_all", new_callable=mock.PropertyMock, return_value=True):
             g = compiled_stages(model, fsdp_plan(), (torch.randn(4, 8),))
@@ -172,17 +174,20 @@ class GraphModule(torch.nn.Module):
         self.assertExpectedInline(" -> ".join(order), """all_gather(layers.2) -> compute -> wait(layers.2) -> all_gather(layers.1) -> all_to_all(layers.2) -> compute x2 -> all_to_all(layers.1) -> wait(layers.2) -> wait(layers.1) -> compute x2 -> all_to_all(layers.0) -> wait(layers.1) -> wait(layers.0)""")
         # The graph is the reduce-scatter one's (test above) but for the reduction's nodes:
         reduction = [line.strip() for line in g["backward"].splitlines()
-                     if "all_to_all" in line or "unpack_reduced.default" in line]
+                     if any(op in line for op in ("pack_grads_peers.default", "all_to_all", "unpack_reduced.default"))]
         self.assertExpectedInline("\n".join(reduction), """\
-all_to_all_single: "f32[64]" = torch.ops._c10d_functional.all_to_all_single.default(pack_grads, [16, 16, 16, 16], [16, 16, 16, 16], 'dp');  pack_grads = None
-all_to_all_single_1: "f32[64]" = torch.ops._c10d_functional.all_to_all_single.default(pack_grads_1, [16, 16, 16, 16], [16, 16, 16, 16], 'dp');  pack_grads_1 = None
-wait_tensor_3: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
-unpack_reduced = torch.ops.graphshard.unpack_reduced.default(wait_tensor_3, 4, [16], [16]);  wait_tensor_3 = None
-all_to_all_single_2: "f32[64]" = torch.ops._c10d_functional.all_to_all_single.default(pack_grads_2, [16, 16, 16, 16], [16, 16, 16, 16], 'dp');  pack_grads_2 = None
-wait_tensor_4: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
-unpack_reduced_1 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_4, 4, [16], [16]);  wait_tensor_4 = None
-wait_tensor_5: "f32[64]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
-unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 4, [16], [16]);  wait_tensor_5 = None""")
+pack_grads_peers = torch.ops.graphshard.pack_grads_peers.default([t_6], 4, 0, [16], torch.float32);  t_6 = None
+all_to_all_single: "f32[48]" = torch.ops._c10d_functional.all_to_all_single.default(getitem_3, [0, 16, 16, 16], [0, 16, 16, 16], 'dp');  getitem_3 = None
+pack_grads_peers_1 = torch.ops.graphshard.pack_grads_peers.default([t_10], 4, 0, [16], torch.float32);  t_10 = None
+all_to_all_single_1: "f32[48]" = torch.ops._c10d_functional.all_to_all_single.default(getitem_6, [0, 16, 16, 16], [0, 16, 16, 16], 'dp');  getitem_6 = None
+wait_tensor_3: "f32[48]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single);  all_to_all_single = None
+unpack_reduced = torch.ops.graphshard.unpack_reduced.default(wait_tensor_3, 3, [16], [16], getitem_4);  wait_tensor_3 = getitem_4 = None
+pack_grads_peers_2 = torch.ops.graphshard.pack_grads_peers.default([t_13], 4, 0, [16], torch.float32);  t_13 = None
+all_to_all_single_2: "f32[48]" = torch.ops._c10d_functional.all_to_all_single.default(getitem_9, [0, 16, 16, 16], [0, 16, 16, 16], 'dp');  getitem_9 = None
+wait_tensor_4: "f32[48]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_1);  all_to_all_single_1 = None
+unpack_reduced_1 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_4, 3, [16], [16], getitem_7);  wait_tensor_4 = getitem_7 = None
+wait_tensor_5: "f32[48]" = torch.ops._c10d_functional.wait_tensor.default(all_to_all_single_2);  all_to_all_single_2 = None
+unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 3, [16], [16], getitem_10);  wait_tensor_5 = getitem_10 = None""")
 
 
     def test_gloo_axis_gathers_each_parameter_in_one_coalesced_collective(self):

@@ -1,8 +1,8 @@
 """Gradient accumulation without communication: ``graphshard.no_sync(model)``.
 
 Inside the context a backward skips the data-parallel gradient reductions: each unit's
-unreduced gradient (the buffer its reduce-scatter or all-reduce would send) is added to a
-pending buffer that the compiled backward keeps; the sharded gradients are left as they
+unreduced gradient (the buffer its reduce-scatter or all-reduce would send, and on gloo's
+all-to-all form the row this rank keeps) is added to a pending buffer that the compiled backward keeps; the sharded gradients are left as they
 are. The next backward outside the context adds the pending buffers to its own before
 reducing, so one reduction carries every accumulated micro-batch (reductions are linear:
 the result equals reducing each micro-batch's gradient and summing).
@@ -16,7 +16,8 @@ flag (`GradSync`): no recompile per toggle.
 * ``accumulate``: the root data-parallel reductions and everything downstream of them
   removed; their inputs become extra outputs (the pending buffers), the parameter
   gradients they produced are ``None``.
-* ``flush``: each root reduction's input is ``input + pending`` (a graph input per unit).
+* ``flush``: each root reduction's input is ``input + pending`` (a graph input per unit, and
+  one more for a kept row).
 
 Model-parallel reductions (tensor parallelism's gradient all-reduces) always run: no_sync
 is a data-parallel notion, as in torch's FSDP and DDP.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from typing import Callable, Iterator
 
 import torch
@@ -91,6 +93,17 @@ def _descendants(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
+def sent(root: fx.Node) -> list[fx.Node]:
+    """What a root reduction reduces of this rank's gradients: its input, and on gloo's all-to-all
+    form (`ops._reduce_scatter_flat`) the row this rank kept for itself, which ``unpack_reduced``
+    adds in after the collective. Deferring a reduction defers every one of them."""
+    x = root.args[0]
+    if x.target is operator.getitem and x.args[0].target == torch.ops.graphshard.pack_grads_peers.default:
+        kept = [u for u in x.args[0].users if u.target is operator.getitem and u.args[1] == 1]
+        return [x, *kept]
+    return [x]
+
+
 def _copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node], list]:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -106,7 +119,7 @@ def accumulate_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModu
         extern = [u for u in n.users if u not in removed and u.op != "output"]
         assert not extern, f"no_sync: {n.name} feeds {extern[0].name}, which is not part of a gradient reduction"
     outs = [None if isinstance(o, fx.Node) and o in removed else o for o in outs]
-    graph.output(tuple(outs + [env[r.args[0]] for r in roots]))
+    graph.output(tuple(outs + [env[x] for r in roots for x in sent(r)]))
     for n in reversed(list(graph.nodes)):
         if n in removed:
             graph.erase_node(n)
@@ -114,18 +127,21 @@ def accumulate_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModu
 
 
 def flush_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModule:
-    """``gm`` with one more input per root reduction, added to what the reduction sends."""
+    """``gm`` with one more input per value a root reduction reduces (`sent`), added to it."""
     graph, env, outs = _copy(gm)
     last = list(graph.find_nodes(op="placeholder"))[-1]
-    for i, r in enumerate(roots):
-        r2, x = env[r], env[r.args[0]]
-        with graph.inserting_after(last):
-            last = graph.placeholder(f"pending_grads_{i}")
-        last.meta["val"] = x.meta["val"]
-        with graph.inserting_before(r2):
-            total = graph.call_function(torch.ops.aten.add.Tensor, (x, last))
-        total.meta.update(x.meta)
-        r2.args = (total, *r2.args[1:])
+    i = 0
+    for r in roots:
+        r2 = env[r]
+        for x in map(env.__getitem__, sent(r)):
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"pending_grads_{i}")
+            last.meta["val"] = x.meta["val"]
+            i += 1
+            with graph.inserting_before(r2):
+                total = graph.call_function(torch.ops.aten.add.Tensor, (x, last))
+            total.meta.update(x.meta)
+            x.replace_all_uses_with(total, delete_user_cb=lambda u, total=total: u is not total)
     graph.output(tuple(outs))
     return fx.GraphModule(gm, graph)
 
@@ -143,7 +159,8 @@ class GradSync:
                  models: tuple, lower: Callable[[fx.GraphModule, list], Callable]):
         self.plain = plain
         self.backward, self.roots, self.inputs = backward, roots, inputs
-        self.n_extra = len(roots)  # flush's pending buffers: one input per root reduction
+        self.sent = [x for r in roots for x in sent(r)]
+        self.n_extra = len(self.sent)  # flush's pending buffers: one input per value a root reduces
         self.models = models  # the sharded models whose no_sync state selects the program
         self.lower = lower
         self.compiled: dict[str, Callable] = {}
@@ -156,7 +173,7 @@ class GradSync:
                 graph, inputs = accumulate_variant(self.backward, self.roots), self.inputs
             else:
                 graph = flush_variant(self.backward, self.roots)
-                inputs = self.inputs + [r.args[0].meta["val"] for r in self.roots]
+                inputs = self.inputs + [x.meta["val"] for x in self.sent]
             self.compiled[name] = self.lower(graph, inputs)
         return self.compiled[name]
 

@@ -109,7 +109,8 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: str, world: int, rank:
 lib.define("pack(Tensor[] xs, SymInt[] numels, ScalarType dtype) -> Tensor")
 lib.define("unpack(Tensor buf, int world, SymInt[] numels) -> Tensor[]")
 lib.define("pack_grads(Tensor[] grads, int world, SymInt[] numels, ScalarType dtype) -> Tensor")
-lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep) -> Tensor[]")
+lib.define("pack_grads_peers(Tensor[] grads, int world, int rank, SymInt[] numels, ScalarType dtype) -> (Tensor, Tensor)")
+lib.define("unpack_reduced(Tensor buf, int rows, SymInt[] numels, SymInt[] keep, Tensor? own=None) -> Tensor[]")
 lib.define("pack_gather(Tensor[] xs, SymInt[] numels, ScalarType dtype, int world, str group_name) -> Tensor")
 
 
@@ -182,22 +183,32 @@ def _unpack_fake(buf, world, numels):
     return [buf.new_empty(world * n) for n in numels]
 
 
+def _copy_rows(dst: torch.Tensor, flat: torch.Tensor, n: int, first: int) -> None:
+    """Fills ``dst`` (``k`` rows of ``n``) with rows ``first .. first + k`` of ``flat`` cut into rows
+    of ``n``, zeros past its end."""
+    k = dst.shape[0]
+    if not k:
+        return
+    full = max(0, min(k, flat.numel() // n - first))  # the complete rows ``flat`` has from ``first``
+    if full:
+        dst.narrow(0, 0, full).copy_(flat.narrow(0, first * n, full * n).view(full, n))
+    if full < k:
+        start = (first + full) * n
+        tail = max(0, flat.numel() - start)
+        if tail:
+            dst[full].narrow(0, 0, tail).copy_(flat.narrow(0, start, tail))
+        dst[full].narrow(0, tail, n - tail).zero_()
+        if full + 1 < k:
+            dst.narrow(0, full + 1, k - full - 1).zero_()
+
+
 @torch.library.impl(lib, "pack_grads", "CompositeExplicitAutograd")
 def _pack_grads(grads, world, numels, dtype):
     """Rank-major layout: row r holds every gradient's r-th shard, each padded to its numel."""
     out = grads[0].new_empty(world, sum(numels), dtype=dtype)
     offset = 0
     for g, n in zip(grads, numels):
-        flat, dst = g.reshape(-1), out.narrow(1, offset, n)
-        full = flat.numel() // n
-        if full:
-            dst.narrow(0, 0, full).copy_(flat.narrow(0, 0, full * n).view(full, n))
-        if full < world:
-            tail = flat.numel() - full * n
-            dst[full].narrow(0, 0, tail).copy_(flat.narrow(0, full * n, tail))
-            dst[full].narrow(0, tail, n - tail).zero_()
-            if full + 1 < world:
-                dst.narrow(0, full + 1, world - full - 1).zero_()
+        _copy_rows(out.narrow(1, offset, n), g.reshape(-1), n, 0)
         offset += n
     return out.view(-1)
 
@@ -207,12 +218,36 @@ def _pack_grads_fake(grads, world, numels, dtype):
     return grads[0].new_empty(world * sum(numels), dtype=dtype)
 
 
+@torch.library.impl(lib, "pack_grads_peers", "CompositeExplicitAutograd")
+def _pack_grads_peers(grads, world, rank, numels, dtype):
+    """`pack_grads`'s layout cut in two new buffers: the rows of the other ranks, in rank order
+    (what an all-to-all sends, with a zero split for ``rank``), and row ``rank`` (this rank's
+    own shard of each gradient, which it keeps)."""
+    peers = grads[0].new_empty(world - 1, sum(numels), dtype=dtype)
+    own = grads[0].new_empty(1, sum(numels), dtype=dtype)
+    offset = 0
+    for g, n in zip(grads, numels):
+        flat, band = g.reshape(-1), peers.narrow(1, offset, n)
+        _copy_rows(band.narrow(0, 0, rank), flat, n, 0)
+        _copy_rows(band.narrow(0, rank, world - 1 - rank), flat, n, rank + 1)
+        _copy_rows(own.narrow(1, offset, n), flat, n, rank)
+        offset += n
+    return peers.view(-1), own.view(-1)
+
+
+@torch.library.register_fake("graphshard::pack_grads_peers")
+def _pack_grads_peers_fake(grads, world, rank, numels, dtype):
+    n = sum(numels)
+    return grads[0].new_empty((world - 1) * n, dtype=dtype), grads[0].new_empty(n, dtype=dtype)
+
+
 @torch.library.impl(lib, "unpack_reduced", "CompositeExplicitAutograd")
-def _unpack_reduced(buf, rows, numels, keep):
+def _unpack_reduced(buf, rows, numels, keep, own=None):
     """Cuts the reduced bucket into its gradients: gradient i is the first ``keep[i]`` elements
     of its ``numels[i]``-element slot. ``buf`` holds ``rows`` copies of the bucket (one per
-    source rank, from an all-to-all), averaged here; ``rows=1`` is a bucket the collective
-    already reduced.
+    source rank, from an all-to-all), averaged here with ``own`` (this rank's own copy, which
+    it did not send) when given; ``rows=1`` without ``own`` is a bucket the collective already
+    reduced.
 
     Each gradient is a new tensor, as the fake impl says and as a custom op's outputs must be
     (none may alias another): Inductor takes them to start at an aligned address, and views of
@@ -223,17 +258,19 @@ def _unpack_reduced(buf, rows, numels, keep):
     for n in numels[:-1]:
         starts.append(starts[-1] + n)
     slices = [[table[r].narrow(0, s, k) for s, k in zip(starts, keep)] for r in range(rows)]
-    if rows == 1:
+    if own is not None:
+        slices.insert(0, [own.narrow(0, s, k) for s, k in zip(starts, keep)])
+    if len(slices) == 1:
         return _compat.foreach_clone(slices[0])
     out = _compat.foreach_add(slices[0], slices[1])
-    for r in range(2, rows):
+    for r in range(2, len(slices)):
         _compat.foreach_add_(out, slices[r])
-    _compat.foreach_div_(out, rows)
+    _compat.foreach_div_(out, len(slices))
     return out
 
 
 @torch.library.register_fake("graphshard::unpack_reduced")
-def _unpack_reduced_fake(buf, rows, numels, keep):
+def _unpack_reduced_fake(buf, rows, numels, keep, own=None):
     return [buf.new_empty(k) for k in keep]
 
 
@@ -275,17 +312,25 @@ def _coalesced_inputs(shards: Sequence[torch.Tensor], numels: Sequence[int], dty
     return ins
 
 
-def _reduce_scatter_flat(buf: torch.Tensor, axis: AxisGroup) -> tuple[torch.Tensor, int]:
-    """Starts the reduce-scatter of a rank-major bucket over ``axis``. Returns the result and
-    how many rows of it ``unpack_reduced`` still averages: 1 after a reduce-scatter ("avg"),
-    ``world`` after an all-to-all (on gloo, ``AxisGroup.scatter_by_all_to_all``), where each
-    rank receives every rank's copy of its own shard. Under ``collectives="nccl"`` gloo runs the
-    ``reduce_scatter_tensor`` call itself: c10d's gloo backend implements it (an all-reduce
-    of the whole bucket with the same op, then this rank's chunk), ``avg`` included."""
-    if axis.scatter_by_all_to_all:
-        split = [buf.numel() // axis.world] * axis.world
-        return _wait(c10d.all_to_all_single(buf, split, split, axis.group_name)), axis.world
-    return _wait(c10d.reduce_scatter_tensor(buf, "avg", axis.world, axis.group_name)), 1
+def _reduce_scatter_flat(grads: Sequence[torch.Tensor], numels: Sequence[int], dtype: torch.dtype,
+                         axis: AxisGroup) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Packs a unit's gradients and starts their reduce-scatter over ``axis``. Returns the result,
+    how many rows of it ``unpack_reduced`` still averages, and the row this rank kept (or None):
+
+    - ``reduce_scatter_tensor`` ("avg") of the rank-major bucket: one row, nothing kept;
+    - on gloo (``AxisGroup.scatter_by_all_to_all``) an all-to-all of the other ranks' rows,
+      ``world - 1`` received rows, and this rank's own row, which never leaves it: the send
+      buffer and the received one are ``world - 1`` shards each, not a bucket each.
+
+    Under ``collectives="nccl"`` gloo runs the ``reduce_scatter_tensor`` call itself: c10d's gloo
+    backend implements it (an all-reduce of the whole bucket with the same op, then this
+    rank's chunk), ``avg`` included."""
+    if axis.scatter_by_all_to_all and axis.world > 1:
+        peers, own = ops.pack_grads_peers(list(grads), axis.world, axis.rank, numels, dtype)
+        split = [0 if r == axis.rank else sum(numels) for r in range(axis.world)]
+        return _wait(c10d.all_to_all_single(peers, split, split, axis.group_name)), axis.world - 1, own
+    buf = ops.pack_grads(list(grads), axis.world, numels, dtype)
+    return _wait(c10d.reduce_scatter_tensor(buf, "avg", axis.world, axis.group_name)), 1, None
 
 
 def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ShardedParam]) -> list[torch.Tensor]:
@@ -297,21 +342,20 @@ def reduce_grads(grads: Sequence[torch.Tensor | None], infos: Sequence[ShardedPa
         for g, info in zip(grads, infos)
     ]
     if first.shard is not None:
-        world = first.shard.world
         numels = [info.chunk_rows * info.row_numel for info in infos]
         keep = [info.local_rows * info.row_numel for info in infos]
-        buf = ops.pack_grads(grads, world, numels, first.reduce_dtype)
-        red, rows = _reduce_scatter_flat(buf, first.shard)
-        if rows > 1 and first.replicate:  # average the rows before reducing over the other axes
-            red, rows = ops.unpack_reduced(red, rows, [sum(numels)], [sum(numels)])[0], 1
+        red, rows, own = _reduce_scatter_flat(grads, numels, first.reduce_dtype, first.shard)
+        if own is not None and first.replicate:  # average the rows before reducing over the other axes
+            red, rows, own = ops.unpack_reduced(red, rows, [sum(numels)], [sum(numels)], own)[0], 1, None
         shapes = [(info.local_rows, *info.dp_full_shape[1:]) for info in infos]
     else:
         numels = keep = [math.prod(info.dp_full_shape) for info in infos]
-        red, rows = ops.pack(grads, numels, first.reduce_dtype), 1
+        red, rows, own = ops.pack(grads, numels, first.reduce_dtype), 1, None
         shapes = [info.dp_full_shape for info in infos]
     for axis in first.replicate:
         red = _wait(c10d.all_reduce(red, "avg", axis.group_name))
-    pieces = ops.unpack_reduced(red, rows, numels, keep)
+    kept = () if own is None else (own,)  # printed only where there is one: NCCL's graphs read as before
+    pieces = ops.unpack_reduced(red, rows, numels, keep, *kept)
     return [piece.view(shape).to(info.dtype) for piece, shape, info in zip(pieces, shapes, infos)]
 
 
