@@ -155,19 +155,28 @@ DYNAMO_UNMARKED = {
 }
 
 
+# Under HF's gradient checkpointing dynamo captures each layer inside the checkpoint's own region,
+# where the aliasing blocks above are captured whole; T5's block still breaks the graph.
+DYNAMO_UNMARKED_UNDER_AC = {"t5": DYNAMO_UNMARKED["t5"]}
+
+
 def test_dynamo_traces_repeated_blocks_once(coverage_results, deep_case):
     # dynamo stamped one traced block out for the others, or (a known limit) said why not
     r = coverage_results[deep_case]
     arch = deep_case.split(":")[0]
+    ac = ":ac" in deep_case
     lines = r.get("dynamo_regions") or []
-    if arch in DYNAMO_UNMARKED:
+    unmarked = DYNAMO_UNMARKED_UNDER_AC if ac else DYNAMO_UNMARKED
+    if arch in unmarked:
         assert len(lines) == 1 and "could not capture a marked region whole" in lines[0], (deep_case, lines)
-        assert DYNAMO_UNMARKED[arch] in lines[0], (deep_case, lines)
+        assert unmarked[arch] in lines[0], (deep_case, lines)
         return
     assert any("dynamo traces one and reuses its trace" in line for line in lines), (deep_case, lines)
     calls, bodies, aten = max(tuple(b) for b in r["dynamo_bodies"])
-    # 4 blocks (dynamo inlines a body called once); each body traced to ATen once (compiler.aten_trace)
-    assert calls >= 3 and bodies < calls and aten == bodies, (deep_case, r["dynamo_bodies"])
+    # 4 blocks (dynamo inlines a body called once); each body traced to ATen once (compiler.aten_trace).
+    # The trace to ATen does not share checkpointed blocks (none is counted there): they share one
+    # body after the partition instead (compiler.outline; test_repeated_blocks_are_traced_once).
+    assert calls >= 3 and bodies < calls and aten == (0 if ac else bodies), (deep_case, r["dynamo_bodies"])
 
 
 def test_regional_and_whole_graph_lowering_agree(coverage_results, request):
