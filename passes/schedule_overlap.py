@@ -48,6 +48,7 @@ import torch.fx as fx
 
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
+from graphshard.compiler import grad_sync
 from graphshard.compiler.explain import CollectiveRecord, add_compute, collective_of_wait
 from graphshard.passes.context import PassContext
 
@@ -103,12 +104,12 @@ def _exclusive_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
 
 def _reduction_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
     """`_exclusive_prep` of a gradient reduction. On gloo's all-to-all form the pack has a second
-    output, the row this rank keeps, which only the reduction's own ``unpack_reduced`` reads: the
-    pack (and what exists only to build it) moves with the reduction all the same."""
+    output, the row this rank keeps (`grad_sync.sent`), which only the reduction's own
+    ``unpack_reduced`` reads: the pack (and what exists only to build it) moves with the reduction."""
     prep = _exclusive_prep(start, index)
-    x = start.args[0]
-    if x.target is operator.getitem and x.args[0].target == torch.ops.graphshard.pack_grads_peers.default:
-        pack = x.args[0]
+    kept = grad_sync.sent(start)[1:]
+    if kept:
+        pack = kept[0].args[0]
         prep = list({n: None for n in prep + _exclusive_prep(pack, index) + [pack, *pack.users]})
     return sorted((n for n in prep if n is not start), key=index.__getitem__)
 

@@ -2,8 +2,8 @@
 
 Inside the context a backward skips the data-parallel gradient reductions: each unit's
 unreduced gradient (the buffer its reduce-scatter or all-reduce would send, and on gloo's
-all-to-all form the row this rank keeps) is added to a pending buffer that the compiled backward keeps; the sharded gradients are left as they
-are. The next backward outside the context adds the pending buffers to its own before
+all-to-all form the row this rank keeps) is added to a pending buffer that the compiled
+backward keeps; the sharded gradients are left as they are. The next backward outside the context adds the pending buffers to its own before
 reducing, so one reduction carries every accumulated micro-batch (reductions are linear:
 the result equals reducing each micro-batch's gradient and summing).
 
