@@ -33,6 +33,8 @@ def all_cases() -> list[str]:
         cases += [f"{name}:{s}:inductor:ac" for s in strategies if s != "tp"]
         # and with 4 blocks, so that the checkpointed blocks repeat and share one traced body
         cases += [f"{name}:{s}:inductor:ac:deep" for s in strategies if s != "tp"]
+        # HF's current name for it with every_n_layers=2: checkpointed and plain blocks interleaved
+        cases += [f"{name}:fsdp:inductor:ac:hf:every2"]
         # the trace-once column: 4 blocks, so that blocks repeat and share one traced body
         cases += [f"{name}:{s}:eager:deep" for s in strategies]
         # the GPU's collective forms (Plan(collectives="nccl")) on gloo: each unit's gather in place
@@ -57,6 +59,7 @@ QUICK = [
     "gpt2:tp:eager", "mixtral:tp:eager", "bert:fsdp:eager", "t5:fsdp:eager", "vit:fsdp:eager",
     *WHOLE,
     "llama:fsdp:eager:ac:nocache", "qwen3:fsdp_tp:eager:ac",  # HF's gradient_checkpointing_enable()
+    "llama:fsdp:eager:ac:hf:every2",  # its current name, activation_checkpointing_enable(every_n_layers=2)
     "llama:fsdp_tp:eager:deep", "qwen2_moe:fsdp:eager:deep",  # repeated blocks traced once (4 blocks)
     "llama:fsdp:inductor:nccl",  # the GPU's collective forms, the unit's gather in place
 ]

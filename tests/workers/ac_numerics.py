@@ -11,7 +11,10 @@ Each CASE is ``form:layout:lower``:
   matmuls), ``plan`` / ``plan_sac`` (``Plan(checkpoint={"layers.*": Checkpoint(...)})``, full or
   selective), ``skipped`` (``fn``'s blocks in a loop that logs, as HF's T5 does under gradient
   checkpointing: dynamo skips that frame, so the blocks and their recomputation run eagerly inside
-  the compiled model), ``none`` (no AC);
+  the compiled model), ``offload`` (``fn``'s blocks each under
+  ``torch.autograd.graph.save_on_cpu``, as HF's ``activation_checkpointing_enable(offload=True)``
+  wraps them, without the pinned memory a CPU-only machine lacks: dynamo does not trace
+  ``save_on_cpu``, so the blocks run eagerly as ``skipped``'s do), ``none`` (no AC);
 - layout: ``full_shard``, ``shard_grad_op``, ``replicate`` (1-D "dp"), ``hybrid`` (HSDP: a 2x2
   "replicate" x "shard" mesh; 4 ranks), ``tp`` (tensor parallel, 1-D "tp"), ``fsdp_tp`` (2x2 mesh:
   FullyShard on "dp", tensor parallel on "tp"; 4 ranks);
@@ -126,10 +129,30 @@ class SkippedFrameTransformer(Transformer):
         return self.output(self.norm(h))
 
 
+def offloaded_checkpoint(function, *args, **kwargs):
+    """HF's checkpoint function under ``activation_checkpointing_enable(offload=True)``: the
+    checkpoint's saved inputs held in host memory (here unpinned: pinning needs an accelerator)."""
+    with torch.autograd.graph.save_on_cpu(pin_memory=False, device_type="cpu"):
+        return checkpoint(function, *args, **kwargs)
+
+
+class OffloadedTransformer(Transformer):
+    """Each block checkpointed by `offloaded_checkpoint`, as HF's decoder layers call it."""
+
+    def forward(self, tokens):
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
+        for layer in self.layers:
+            h = offloaded_checkpoint(layer, h, use_reentrant=False)
+        return self.output(self.norm(h))
+
+
 def build(form: str, cfg: TransformerConfig) -> nn.Module:
     torch.manual_seed(0)
     if form == "skipped":
         return SkippedFrameTransformer(cfg)
+    if form == "offload":
+        return OffloadedTransformer(cfg)
     if form in ("fn", "sac", "reentrant"):
         return CheckpointedTransformer(cfg, selective=form == "sac", reentrant=form == "reentrant")
     model = Transformer(cfg)

@@ -14,6 +14,9 @@ Each CASE is ``arch:strategy:lower`` (``tests/workers/hf_archs.py`` lists the ar
   the compiled backward to recompute (``explain``'s count of recomputed ops); with a further
   ``nocache``, ``config.use_cache = False`` as HF's warning under checkpointing advises; with
   ``reentrant``, HF's default form ``gradient_checkpointing_enable()`` (torch's reentrant checkpoint);
+  with ``hf``, the name HF documents from transformers 5.24 on, ``activation_checkpointing_enable()``
+  (non-reentrant by default; skipped where transformers lacks it), and with a further ``every2``
+  its ``every_n_layers=2`` on 4 blocks: checkpointed and plain blocks interleaved;
 - a flag ``nccl``: ``Plan(collectives="nccl")``, the collectives a GPU (NCCL) run issues, on gloo
   (lowered by region, each unit's gather then runs in place, `lowering.InPlaceGather`);
 - a flag ``deep``: 4 blocks instead of 2, so that blocks repeat and are traced once
@@ -91,11 +94,15 @@ def run_case(case: str) -> dict:
     counters.clear()
     world = dist.get_world_size()
     start = time.perf_counter()
-    ref = hf_archs.build(arch, layers=4 if "deep" in flags else None)
+    ref = hf_archs.build(arch, layers=4 if "deep" in flags or "every2" in flags else None)
     if "ac" in flags:
         if not ref.supports_gradient_checkpointing:
             return {"case": case, "ok": False, "skipped": f"{type(ref).__name__} has no gradient checkpointing"}
-        if "reentrant" in flags:  # HF's default form (torch's reentrant checkpoint)
+        if "hf" in flags:  # the name HF documents from 5.24 on, with its own options
+            if not hasattr(ref, "activation_checkpointing_enable"):
+                return {"case": case, "ok": False, "skipped": "this transformers has no activation_checkpointing_enable"}
+            ref.activation_checkpointing_enable(every_n_layers=2 if "every2" in flags else 1)
+        elif "reentrant" in flags:  # HF's default form (torch's reentrant checkpoint)
             ref.gradient_checkpointing_enable()
         else:
             ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
