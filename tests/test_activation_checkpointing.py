@@ -72,7 +72,8 @@ def test_matches_single_process_with_the_same_checkpointing(ac_results, ac_case)
         # they and their recomputation run eagerly inside the compiled model, their parameters
         # gathered at each read, and every one is listed as such
         assert not r["fallbacks"] and r["recomputed_ops"] == 0, r
-        assert r["graphs"] == 2 or ac_case.startswith("offload"), r  # offload: the graphs between the blocks
+        if ac_case.startswith("skipped"):
+            assert r["graphs"] == 2, r  # around the skipped frame (offload also compiles what lies between blocks)
         assert r["eager_units"] and all(u.startswith("layers.") for u in r["eager_units"]), r
         assert {u.split(".")[1] for u in r["eager_units"]} == {"0", "1"} and r["explain_lists_eager_regions"], r
         return

@@ -136,15 +136,12 @@ def offloaded_checkpoint(function, *args, **kwargs):
         return checkpoint(function, *args, **kwargs)
 
 
-class OffloadedTransformer(Transformer):
-    """Each block checkpointed by `offloaded_checkpoint`, as HF's decoder layers call it."""
+class OffloadedBlock(Block):
+    """A block that checkpoints its own forward through `offloaded_checkpoint`, where HF's decoder
+    layers do it (``GradientCheckpointingLayer.__call__``)."""
 
-    def forward(self, tokens):
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
-        for layer in self.layers:
-            h = offloaded_checkpoint(layer, h, use_reentrant=False)
-        return self.output(self.norm(h))
+    def forward(self, x):
+        return offloaded_checkpoint(super().forward, x, use_reentrant=False)
 
 
 def build(form: str, cfg: TransformerConfig) -> nn.Module:
@@ -152,7 +149,10 @@ def build(form: str, cfg: TransformerConfig) -> nn.Module:
     if form == "skipped":
         return SkippedFrameTransformer(cfg)
     if form == "offload":
-        return OffloadedTransformer(cfg)
+        model = Transformer(cfg)
+        for layer in model.layers:
+            layer.__class__ = OffloadedBlock  # the same weights as every other form's
+        return model
     if form in ("fn", "sac", "reentrant"):
         return CheckpointedTransformer(cfg, selective=form == "sac", reentrant=form == "reentrant")
     model = Transformer(cfg)
