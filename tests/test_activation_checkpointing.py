@@ -10,6 +10,7 @@ after wrapping (``test_fsdp1.py``), HF's ``gradient_checkpointing_enable()`` on 
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -60,7 +61,30 @@ def ac_results(request):
     for i in range(0, len(two), 5):  # five cases per process
         out.update(run_cases("ac_numerics.py", two[i:i + 5], nproc=2))
     out.update(run_cases("ac_numerics.py", four, nproc=4))
+    _write_grid(out)
     return out
+
+
+GRID = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "coverage_out",
+                    "activation_checkpointing.md")
+
+
+def _write_grid(results: CaseResults) -> None:
+    """Writes ``coverage_out/activation_checkpointing.md``: per case, its errors against the single
+    process and what its compiled backward recomputes (the table a run's reader asks for; the
+    assertions are the tests below)."""
+    lines = ["| case | loss err | param err | ops recomputed | saved MiB (without AC) | graphs | eager blocks |",
+             "|---|---|---|---|---|---|---|"]
+    for case, r in results.items():
+        if "loss_err" not in r:
+            lines.append(f"| {case} | FAIL {r.get('error')}: {r.get('message', '')[:120]} | | | | | |")
+            continue
+        saved = f"{r['saved_bytes'] / 2**20:.2f} ({r['saved_bytes_without_ac'] / 2**20:.2f})"
+        lines.append(f"| {case} | {r['loss_err']:.1e} | {r['param_err']:.1e} | {r['recomputed_ops']} | {saved} "
+                     f"| {r['graphs']} | {len(r['eager_units'])} |")
+    os.makedirs(os.path.dirname(GRID), exist_ok=True)
+    with open(GRID, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 @pytest.mark.multirank
