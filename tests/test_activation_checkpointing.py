@@ -77,7 +77,7 @@ def _write_grid(results: CaseResults) -> None:
              "|---|---|---|---|---|---|---|"]
     for case, r in results.items():
         if "loss_err" not in r:
-            lines.append(f"| {case} | FAIL {r.get('error')}: {r.get('message', '')[:120]} | | | | | |")
+            lines.append(f"| {case} | FAIL {r.get('error')}: {(r.get('message') or '')[:120]} | | | | | |")
             continue
         saved = f"{r['saved_bytes'] / 2**20:.2f} ({r['saved_bytes_without_ac'] / 2**20:.2f})"
         lines.append(f"| {case} | {r['loss_err']:.1e} | {r['param_err']:.1e} | {r['recomputed_ops']} | {saved} "
