@@ -21,6 +21,7 @@ from expecttest import TestCase
 import graphshard
 from _golden import compiled_stages
 from _coverage_share import full_coverage
+from conftest import COVERAGE_DIR
 from _launch import CaseResults, run_cases
 from _models import mesh1d, seeded
 
@@ -65,8 +66,7 @@ def ac_results(request):
     return out
 
 
-GRID = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "coverage_out",
-                    "activation_checkpointing.md")
+GRID = os.path.join(COVERAGE_DIR, "activation_checkpointing.md")
 
 
 def _write_grid(results: CaseResults) -> None:
