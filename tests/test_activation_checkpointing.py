@@ -73,7 +73,7 @@ def _write_grid(results: CaseResults) -> None:
     """Writes ``coverage_out/activation_checkpointing.md``: per case, its errors against the single
     process and what its compiled backward recomputes (the table a run's reader asks for; the
     assertions are the tests below)."""
-    lines = ["| case | loss err | param err | ops recomputed | saved MiB (without AC) | graphs | eager blocks |",
+    lines = ["| case | loss err | param err | ops recomputed | saved MiB (without AC) | graphs | eager units |",
              "|---|---|---|---|---|---|---|"]
     for case, r in results.items():
         if "loss_err" not in r:
@@ -82,7 +82,7 @@ def _write_grid(results: CaseResults) -> None:
         saved = f"{r['saved_bytes'] / 2**20:.2f} ({r['saved_bytes_without_ac'] / 2**20:.2f})"
         lines.append(f"| {case} | {r['loss_err']:.1e} | {r['param_err']:.1e} | {r['recomputed_ops']} | {saved} "
                      f"| {r['graphs']} | {len(r['eager_units'])} |")
-    os.makedirs(os.path.dirname(GRID), exist_ok=True)
+    os.makedirs(COVERAGE_DIR, exist_ok=True)
     with open(GRID, "w") as f:
         f.write("\n".join(lines) + "\n")
 
