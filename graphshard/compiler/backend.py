@@ -507,6 +507,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                         compiled=compiled, batch=config.batch_cpp_kernels)
                 ctx.report.lowered_order[stage] = order
                 ctx.report.regions[stage] = counts
+                _note_isa_check(counts.pop("isa_check", None), ctx)
                 if config.dump_graphs:
                     with open(os.path.join(config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
                         f.write(compiled_fn.describe() + "\n")
@@ -514,7 +515,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                     g = fuse_packed_gathers(g)
                     compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
-                        g, inputs, is_backward, config.batch_cpp_kernels))
+                        g, inputs, is_backward, config.batch_cpp_kernels), ctx)
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
             if is_backward and partitioned:
@@ -722,12 +723,20 @@ class SharedCompile:
         return False
 
 
+def _note_isa_check(seconds: dict[str, float] | None, ctx: PassContext) -> None:
+    if seconds:
+        ctx.report.notes.append("Inductor's vector-ISA build check split between the local ranks, this rank's share: "
+                                + inductor_cpu.describe_isa_checks(seconds))
+
+
 def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, is_backward: bool,
-                        compile_fn: Callable[[], Callable]) -> Callable:
+                        compile_fn: Callable[[], Callable], ctx: PassContext) -> Callable:
     """Whole-graph lowering, shared: the rank that claims the graph compiles it first; the
     others wait for it (bounded) and then compile with its kernels in the on-disk cache."""
     if share is None:
         return compile_fn()
+    if any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+        _note_isa_check(inductor_cpu.share_isa_checks(share), ctx)  # before the first C++ kernel: the ranks split it
     metas = [(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs]
     digest = hashlib.sha256(repr((is_backward, g.code, metas)).encode()).hexdigest()
     if not share.claim(digest):

@@ -1,5 +1,7 @@
-"""Opt-in speedups of Inductor's CPU builds, off by default (``CompileConfig.fast_isa_check``,
-``CompileConfig.batch_cpp_kernels``): the vector-ISA check shortcut and C++ kernels built together.
+"""Speedups of Inductor's CPU builds. On by default: the vector-ISA build check split between local
+ranks (`share_isa_checks`, Inductor's own check, nothing set). Opt-in, off by default
+(``CompileConfig.fast_isa_check``, ``CompileConfig.batch_cpp_kernels``): the vector-ISA check
+shortcut and C++ kernels built together.
 
 Both act on Inductor's internals, which they reach through `graphshard._compat`'s aliases, and
 both are thread-scoped or process-cached as their docstrings say (docs/design.md, "Kernel
@@ -15,6 +17,7 @@ import os
 import platform
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -97,6 +100,50 @@ def _picked_isa():
     picked = isa_mod.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates,
                                                   isa_mod.invalid_vec_isa)
     return picked if picked is candidates[0] else None
+
+
+# --- the vector-ISA build check, split between local ranks -----------------------------------
+#
+# Before its first C++ kernel a process runs Inductor's `valid_vec_isa_list`: a test library
+# built and loaded for every vector ISA the CPU reports (four here, 1.6-3.0 s of gcc each). The
+# build of an ISA is behind a file lock in the shared cache directory, so local ranks that reach
+# it together build the ISAs one after another, each waiting on the lock of the ISA another rank
+# is building: ~9 s on every rank of the 2-core machine, one core idle. Split, each rank builds the
+# ISAs it claims while the others build theirs, and Inductor's own check then finds the other
+# ranks' libraries built and only loads them. Nothing is set or replaced: the list is Inductor's.
+
+def share_isa_checks(share) -> dict[str, float]:
+    """Runs Inductor's build check (``bool(isa)``, cached per process and on disk) for each vector
+    ISA of this CPU that this rank wins the claim of in ``share`` (`backend.SharedCompile`),
+    before Inductor checks them all. Only before this process's first check, on x86, with
+    ``cpp.vec_isa_ok`` unset (otherwise Inductor checks nothing or has checked already).
+    Returns the seconds of each ISA this rank checked (explain's note), nothing when it did not run."""
+    config = _compat.inductor_config()
+    isa_mod = _compat.inductor_cpu_vec_isa()
+    listed = getattr(isa_mod, "valid_vec_isa_list", None)
+    if (listed is None or not hasattr(listed, "cache_info") or listed.cache_info().currsize
+            or not all(hasattr(isa_mod, n) for n in ("x86_isa_checker", "supported_vec_isa_list"))
+            or platform.machine() not in ("x86_64", "AMD64") or config.is_fbcode()
+            or config.cpp.vec_isa_ok is not None):
+        return {}
+    seconds: dict[str, float] = {}
+    flags = isa_mod.x86_isa_checker()
+    for isa in isa_mod.supported_vec_isa_list:  # Inductor's order and filter (`valid_vec_isa_list`)
+        if not all(f in flags for f in str(isa).split()) or not share.claim(f"inductor-vec-isa/{isa}"):
+            continue
+        start = time.perf_counter()
+        try:
+            bool(isa)
+        except Exception as e:  # noqa: BLE001 - Inductor's own check runs it again and reports
+            log.warning("graphshard: Inductor's build check of %s failed here (%r); Inductor checks it again", isa, e)
+        seconds[str(isa)] = time.perf_counter() - start
+    if seconds:
+        log.info("graphshard: Inductor's vector-ISA build check, this rank's share: %s", describe_isa_checks(seconds))
+    return seconds
+
+
+def describe_isa_checks(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{isa} {s:.2f}s" for isa, s in seconds.items())
 
 
 
