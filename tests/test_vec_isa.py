@@ -56,8 +56,8 @@ from graphshard.compiler.backend import SharedCompile
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=True)
 store.set(f"ready{rank}", "1"); store.wait(["ready0", "ready1"])  # start together
-mine = inductor_cpu.share_isa_checks(SharedCompile(store, "job/"))
-again = inductor_cpu.share_isa_checks(SharedCompile(store, "job/"))  # Inductor has its list: nothing to do
+mine = inductor_cpu.share_isa_checks(SharedCompile(store, "job/"), [torch.ones(1)])
+again = inductor_cpu.share_isa_checks(SharedCompile(store, "job/"), [torch.ones(1)])  # Inductor has its list: nothing to do
 print(json.dumps({"mine": sorted(mine), "again": again, "picked": str(pick_vec_isa()),
                   "listed": [str(i) for i in valid_vec_isa_list()]}))
 store.set(f"done{rank}", "1"); store.wait(["done0", "done1"])
@@ -94,16 +94,31 @@ def test_ranks_split_inductors_check_and_get_its_own_list(inductors_own_check):
         assert out["again"] == {}
 
 
+@x86
+def test_graphshards_compile_splits_the_check_between_its_ranks(inductors_own_check):
+    # the same through graphshard.compile on 2 gloo ranks: explain notes each rank's share, the
+    # shares are apart and cover every ISA the CPU reports, and Inductor's list is its own
+    from _launch import torchrun
+
+    (result,) = torchrun("isa_split.py", ["split"], nproc=2)
+    ranks = result["ranks"]
+    assert [r["notes"] for r in ranks] == [1, 1], ranks
+    assert sorted(ranks[0]["mine"] + ranks[1]["mine"]) == sorted(ranks[0]["reported"]), ranks
+    assert all(r["listed"] == inductors_own_check[1] for r in ranks), (ranks, inductors_own_check)
+
+
 def test_split_declines_when_inductor_is_told_or_has_checked():
     class NoClaims:
         def claim(self, digest):
             raise AssertionError(f"claimed {digest}")
 
+    cpu = [torch.ones(1)]
+    assert inductor_cpu.share_isa_checks(NoClaims(), [torch.ones(1, device="meta"), 3]) == {}  # no CPU work
     with inductor_config.patch({"cpp.vec_isa_ok": True}):
-        assert inductor_cpu.share_isa_checks(NoClaims()) == {}
+        assert inductor_cpu.share_isa_checks(NoClaims(), cpu) == {}
     listed = _compat.inductor_cpu_vec_isa().valid_vec_isa_list
     listed()  # this process's list, as after its first C++ kernel
-    assert inductor_cpu.share_isa_checks(NoClaims()) == {}
+    assert inductor_cpu.share_isa_checks(NoClaims(), cpu) == {}
 
 
 @x86

@@ -735,8 +735,7 @@ def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, 
     others wait for it (bounded) and then compile with its kernels in the on-disk cache."""
     if share is None:
         return compile_fn()
-    if any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
-        _note_isa_check(inductor_cpu.share_isa_checks(share), ctx)  # before the first C++ kernel: the ranks split it
+    _note_isa_check(inductor_cpu.share_isa_checks(share, inputs), ctx)  # before the first C++ kernel: the ranks split it
     metas = [(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs]
     digest = hashlib.sha256(repr((is_backward, g.code, metas)).encode()).hexdigest()
     if not share.claim(digest):

@@ -112,12 +112,15 @@ def _picked_isa():
 # ISAs it claims while the others build theirs, and Inductor's own check then finds the other
 # ranks' libraries built and only loads them. Nothing is set or replaced: the list is Inductor's.
 
-def share_isa_checks(share) -> dict[str, float]:
+def share_isa_checks(share, inputs) -> dict[str, float]:
     """Runs Inductor's build check (``bool(isa)``, cached per process and on disk) for each vector
     ISA of this CPU that this rank wins the claim of in ``share`` (`backend.SharedCompile`),
-    before Inductor checks them all. Only before this process's first check, on x86, with
-    ``cpp.vec_isa_ok`` unset (otherwise Inductor checks nothing or has checked already).
-    Returns the seconds of each ISA this rank checked (explain's note), nothing when it did not run."""
+    before Inductor checks them all. Only for work with CPU ``inputs``, before this process's
+    first check, on x86, with ``cpp.vec_isa_ok`` unset (otherwise Inductor checks nothing or has
+    checked already). Returns the seconds of each ISA this rank checked (explain's note), nothing
+    when it did not run."""
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs):
+        return {}
     config = _compat.inductor_config()
     isa_mod = _compat.inductor_cpu_vec_isa()
     listed = getattr(isa_mod, "valid_vec_isa_list", None)

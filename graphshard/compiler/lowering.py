@@ -701,10 +701,6 @@ def region_body(region: Region) -> str | None:
     return body if 2 * n >= len(region.nodes) else None
 
 
-def _on_cpu(inputs) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in inputs)
-
-
 class CompileShare(Protocol):
     """How local ranks split compile work (``backend.SharedCompile``)."""
 
@@ -747,10 +743,9 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
     todo = sorted(work.values(), key=lambda w: -w.cost)
     if share is not None:
         todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
-        if any(_on_cpu(w.inputs) for w in todo):  # before the first C++ kernel: the ranks split Inductor's ISA check
-            isa_check = inductor_cpu.share_isa_checks(share)
-            if isa_check:
-                counts["isa_check"] = isa_check  # explain's note (`backend`)
+        # before the first C++ kernel the ranks split Inductor's ISA check; explain notes it (`backend`)
+        if isa_check := inductor_cpu.share_isa_checks(share, [x for w in todo for x in w.inputs]):
+            counts["isa_check"] = isa_check
         mine: list[str] = []
         try:
             with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
