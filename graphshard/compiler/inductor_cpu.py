@@ -93,13 +93,19 @@ def _picked_isa():
     if (not all(hasattr(isa_mod, name) for name in names) or platform.machine() not in ("x86_64", "AMD64")
             or config.is_fbcode() or config.cpp.simdlen is not None or config.cpp.vec_isa_ok is not None):
         return None
-    flags = isa_mod.x86_isa_checker()
-    candidates = [isa for isa in isa_mod.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
+    candidates = _reported_isas(isa_mod)
     if not candidates:
         return None
     picked = isa_mod.get_isa_from_cpu_capability(os.getenv("ATEN_CPU_CAPABILITY"), candidates,
                                                   isa_mod.invalid_vec_isa)
     return picked if picked is candidates[0] else None
+
+
+def _reported_isas(isa_mod) -> list:
+    """The vector ISAs of Inductor's list whose flags this x86 CPU reports, in Inductor's order
+    (`valid_vec_isa_list`'s filter, before its build check)."""
+    flags = isa_mod.x86_isa_checker()
+    return [isa for isa in isa_mod.supported_vec_isa_list if all(f in flags for f in str(isa).split())]
 
 
 # --- the vector-ISA build check, split between local ranks -----------------------------------
@@ -130,9 +136,8 @@ def share_isa_checks(share, inputs) -> dict[str, float]:
             or config.cpp.vec_isa_ok is not None):
         return {}
     seconds: dict[str, float] = {}
-    flags = isa_mod.x86_isa_checker()
-    for isa in isa_mod.supported_vec_isa_list:  # Inductor's order and filter (`valid_vec_isa_list`)
-        if not all(f in flags for f in str(isa).split()) or not share.claim(f"inductor-vec-isa/{isa}"):
+    for isa in _reported_isas(isa_mod):
+        if not share.claim(f"inductor-vec-isa/{isa}"):
             continue
         start = time.perf_counter()
         try:
