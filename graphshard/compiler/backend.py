@@ -497,6 +497,11 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             if collective_check.enabled(config):
                 check = collective_check.CollectiveCheck(
                     g, program, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
+            if config.lower == "inductor" and share is not None and not config.fast_isa_check:
+                # before the first C++ kernel the local ranks split Inductor's ISA check (the shortcut checks one)
+                if isa_share := inductor_cpu.share_isa_checks(share, _tensors(inputs)):
+                    ctx.report.notes.append("Inductor's vector-ISA build check split between the local ranks, this "
+                                            "rank's share: " + inductor_cpu.describe_isa_checks(isa_share))
             if config.lower == "eager":
                 compiled_fn = _as_fx(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):
@@ -507,7 +512,6 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                         compiled=compiled, batch=config.batch_cpp_kernels)
                 ctx.report.lowered_order[stage] = order
                 ctx.report.regions[stage] = counts
-                _note_isa_check(counts.pop("isa_check", None), ctx)
                 if config.dump_graphs:
                     with open(os.path.join(config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
                         f.write(compiled_fn.describe() + "\n")
@@ -515,7 +519,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                     g = fuse_packed_gathers(g)
                     compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
-                        g, inputs, is_backward, config.batch_cpp_kernels), ctx)
+                        g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
             if is_backward and partitioned:
@@ -723,19 +727,12 @@ class SharedCompile:
         return False
 
 
-def _note_isa_check(seconds: dict[str, float] | None, ctx: PassContext) -> None:
-    if seconds:
-        ctx.report.notes.append("Inductor's vector-ISA build check split between the local ranks, this rank's share: "
-                                + inductor_cpu.describe_isa_checks(seconds))
-
-
 def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, is_backward: bool,
-                        compile_fn: Callable[[], Callable], ctx: PassContext) -> Callable:
+                        compile_fn: Callable[[], Callable]) -> Callable:
     """Whole-graph lowering, shared: the rank that claims the graph compiles it first; the
     others wait for it (bounded) and then compile with its kernels in the on-disk cache."""
     if share is None:
         return compile_fn()
-    _note_isa_check(inductor_cpu.share_isa_checks(share, inputs), ctx)  # before the first C++ kernel: the ranks split it
     metas = [(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs]
     digest = hashlib.sha256(repr((is_backward, g.code, metas)).encode()).hexdigest()
     if not share.claim(digest):

@@ -743,9 +743,6 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
     todo = sorted(work.values(), key=lambda w: -w.cost)
     if share is not None:
         todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
-        # before the first C++ kernel the ranks split Inductor's ISA check; explain notes it (`backend`)
-        if isa_check := inductor_cpu.share_isa_checks(share, [x for w in todo for x in w.inputs]):
-            counts["isa_check"] = isa_check
         mine: list[str] = []
         try:
             with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
