@@ -5,8 +5,12 @@ forward and backward after the bodies are put back, which every later pass and t
 read. The 2-rank parity of training with it is in test_multirank.py (the ``transformer4``
 cases) and the model-coverage suite (the ``deep`` cases: 4 blocks of each architecture)."""
 
+import collections
 import dataclasses
+import glob
+import os
 import re
+import tempfile
 
 import pytest
 import torch
@@ -73,6 +77,40 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
             self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
         self.assertEqual(once["backward"].count("all_gather_into_tensor.default("), 4)  # FULL_SHARD re-gathers
 
+    def test_an_hf_body_begins_with_its_norm_and_saves_as_the_flat_program(self):
+        # HF Llama, no checkpointing: the nodes copied from dynamo's shared layer body carry no module
+        # stack, so the block each was copied for (``BLOCK``) says that the norm's steps before the
+        # layer's gather are the layer's (`outline._begin_at_blocks`). Cut at the gather, each body
+        # handed the next layer's normalized input on, and each call kept it beside the layer output
+        # it is made from: one activation a layer more than the flat program saves
+        pytest.importorskip("transformers")
+        import workers.hf_archs as hf_archs
+
+        def saved(trace_once: bool) -> tuple[dict, list[str]]:
+            torch._dynamo.reset()
+            model = seeded(lambda: hf_archs.build("llama", layers=4))
+            units = {fqn: graphshard.FullyShard() for fqn in ["", *hf_archs.unit_fqns(model)]}
+            plan = graphshard.Plan(mesh1d("dp"), units)
+            with tempfile.TemporaryDirectory() as d:
+                graphshard.compile(model, plan, lower="eager", trace_once=trace_once, dump_graphs=d)
+                hf_archs.loss_of(model(**hf_archs.batch("llama", 0, 2))).backward()
+                with open(sorted(glob.glob(os.path.join(d, "g0_forward_*_schedule_overlap_after.txt")))[-1]) as f:
+                    text = f.read()
+            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", text, re.M))
+            returned = re.search(r"^ +return \((.*)\)$", text, re.M).group(1).split(", ")
+            notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
+            return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
+
+        (flat, _), (once, notes) = saved(False), saved(True)
+        self.assertEqual(notes, ["trace once: 4 units traced as 1 body (model.layers.0 x4), 1 on their own"])
+        # a value a layer hands on is f32[2, 8, 32] (or its f32[16, 32] view); the calls save as many
+        # of them as the flat program, and the attention's tensors too (2 * 4 * 8 * 8 = 512 elements)
+        activation = 2 * 8 * 32
+        self.assertEqual(_elements(once, activation), _elements(flat, activation))
+        self.assertEqual(_elements(flat, activation), 30 * activation)
+        # the masks differ: a body makes its own from the boolean one, the flat trace one for all
+        self.assertEqual((flat["f32[1, 8, 8]"], once["f32[1, 8, 8]"]), (1, 2))
+
     def test_units_of_different_shapes_are_not_shared(self):
         x, _ = token_batch(0, 2, 8, 32)
         model = seeded(Transformer, DEEP)
@@ -121,6 +159,18 @@ _graphshard_unit_body_0(8 inputs) -> 2 outputs""")
             self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
         self.assertEqual(once["forward"].count("graphshard.all_reduce.default(") + once["forward"].count(
             "_c10d_functional.all_reduce.default("), 8)  # each block's two row-parallel outputs
+
+
+def _elements(saved: collections.Counter, numel: int) -> int:
+    """The elements of the saved tensors of ``numel`` elements (``saved``: shape string -> count)."""
+    total = 0
+    for shape, count in saved.items():
+        dims = re.fullmatch(r"f32\[([\d, ]*)\]", shape or "")
+        n = 1
+        for d in (dims.group(1).split(", ") if dims and dims.group(1) else []):
+            n *= int(d)
+        total += n * count if dims and n == numel else 0
+    return total
 
 
 def _tp_plan():

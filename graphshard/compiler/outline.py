@@ -280,8 +280,9 @@ def _begin_at_blocks(segments: list[_Segment]) -> None:
     """Moves the nodes that end a segment but were traced in the next unit's module (a norm's
     steps before its weight, which come before the unit's gather) to the next unit's segment.
     Cut at the gather, a block's body would end with the next block's first steps and hand their
-    value on: under activation checkpointing the next call then keeps it for its recomputation,
-    where the flat partition recomputes it from the block's output (one activation a block)."""
+    value on, and the next call keeps it for its backward beside the block's output it was made
+    from, where the flat partition recomputes it (one activation a block: HF Llama's normalized
+    input, with or without activation checkpointing)."""
     for prev, seg in zip(segments, segments[1:]):
         unit = seg.units[0]
         moved: list[fx.Node] = []
@@ -291,7 +292,10 @@ def _begin_at_blocks(segments: list[_Segment]) -> None:
 
 
 def _traced_in(node: fx.Node, unit: str) -> bool:
-    module = module_of(node)
+    """Whether ``node`` was traced in ``unit``'s module: by dynamo's module stack, or for a node copied
+    from a block's shared body, which carries no stack unless checkpointing pointed it at its own
+    layer (`regions.traced_at`), by the block it was copied for (``BLOCK``)."""
+    module = module_of(node) or node.meta.get(BLOCK)
     return module is not None and (module == unit or module.startswith(unit + "."))
 
 
