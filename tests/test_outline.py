@@ -122,6 +122,20 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"], ["layers.3"]])
 
 
+    def test_a_block_that_shares_its_beginning_empties_its_group(self):
+        # layers.2 is a block and one step more, so its beginning joins the body and its own group is
+        # left empty; layers.3, of other shapes, then looked through the groups for a body to share
+        # its beginning with and indexed the empty one (an IndexError, on SmolLM3, whose fourth layer
+        # skips the rotary embedding)
+        x, _ = token_batch(0, 2, 8, 32)
+        model = seeded(Transformer, DEEP)
+        model.layers[2] = _Doubled(model.layers[2])
+        model.layers[3].ffn.w1 = torch.nn.Linear(16, 32)
+        model.layers[3].ffn.w2 = torch.nn.Linear(32, 16)
+        _, outlined = outlined_graph(model, fsdp_plan(), (x,))
+        self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
+        self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.1"], ["layers.2"]])
+
     def test_two_bodies_where_one_reads_the_others_output(self):
         # units at two linears of each block (FSDP1's per-module wrapping does this): the w1 units'
         # body reads the residual stream the wq units' calls now give. It is built from what its
@@ -171,6 +185,17 @@ def _elements(saved: collections.Counter, numel: int) -> int:
             n *= int(d)
         total += n * count if dims and n == numel else 0
     return total
+
+
+class _Doubled(torch.nn.Module):
+    """A block whose output is doubled: the block's steps, then one more."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return self.block(x) * 2
 
 
 def _tp_plan():
