@@ -8,6 +8,7 @@ cases) and the model-coverage suite (the ``deep`` cases: 4 blocks of each archit
 import collections
 import dataclasses
 import glob
+import math
 import os
 import re
 import tempfile
@@ -121,7 +122,6 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
         self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.2"], ["layers.3"]])
 
-
     def test_a_block_that_shares_its_beginning_empties_its_group(self):
         # layers.2 is a block and one step more, so its beginning joins the body and its own group is
         # left empty; layers.3, of other shapes, then looked through the groups for a body to share
@@ -135,6 +135,7 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         _, outlined = outlined_graph(model, fsdp_plan(), (x,))
         self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
         self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.1"], ["layers.2"]])
+
 
     def test_two_bodies_where_one_reads_the_others_output(self):
         # units at two linears of each block (FSDP1's per-module wrapping does this): the w1 units'
@@ -176,14 +177,12 @@ _graphshard_unit_body_0(8 inputs) -> 2 outputs""")
 
 
 def _elements(saved: collections.Counter, numel: int) -> int:
-    """The elements of the saved tensors of ``numel`` elements (``saved``: shape string -> count)."""
+    """The elements saved in tensors of ``numel`` elements (``saved``: shape string -> count)."""
     total = 0
     for shape, count in saved.items():
         dims = re.fullmatch(r"f32\[([\d, ]*)\]", shape or "")
-        n = 1
-        for d in (dims.group(1).split(", ") if dims and dims.group(1) else []):
-            n *= int(d)
-        total += n * count if dims and n == numel else 0
+        if dims and math.prod(int(d) for d in dims.group(1).split(", ") if d) == numel:
+            total += numel * count
     return total
 
 

@@ -323,9 +323,11 @@ def _share_prefix(seg: _Segment, key: str | None, groups: dict, params: dict, gr
     """A segment no other shares whose beginning is a repeated body (the last block, which runs
     on into the model's tail): that beginning joins the body's group, the rest stays in line."""
     for other, segs in groups.items():
-        if len(segs) < 2 or len(segs[0].nodes) >= len(seg.nodes):
-            continue  # a group left empty when its one segment joined another's body is skipped too
+        if len(segs) < 2:  # not a body (or left empty when its one segment joined another's)
+            continue
         size = len(segs[0].nodes)
+        if size >= len(seg.nodes):
+            continue
         prefix = _with_boundary(_Segment(seg.nodes[:size], seg.units))
         if _key(prefix, params, grad) == other:
             if key is not None:
