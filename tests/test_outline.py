@@ -7,11 +7,8 @@ cases) and the model-coverage suite (the ``deep`` cases: 4 blocks of each archit
 
 import collections
 import dataclasses
-import glob
 import math
-import os
 import re
-import tempfile
 
 import pytest
 import torch
@@ -91,14 +88,11 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
             torch._dynamo.reset()
             model = seeded(lambda: hf_archs.build("llama", layers=4))
             units = {fqn: graphshard.FullyShard() for fqn in ["", *hf_archs.unit_fqns(model)]}
-            plan = graphshard.Plan(mesh1d("dp"), units)
-            with tempfile.TemporaryDirectory() as d:
-                graphshard.compile(model, plan, lower="eager", trace_once=trace_once, dump_graphs=d)
-                hf_archs.loss_of(model(**hf_archs.batch("llama", 0, 2))).backward()
-                with open(sorted(glob.glob(os.path.join(d, "g0_forward_*_schedule_overlap_after.txt")))[-1]) as f:
-                    text = f.read()
-            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", text, re.M))
-            returned = re.search(r"^ +return \((.*)\)$", text, re.M).group(1).split(", ")
+            ids = hf_archs.batch("llama", 0, 2)["input_ids"]
+            forward = compiled_stages(model, graphshard.Plan(mesh1d("dp"), units), (ids,),
+                                      loss_fn=lambda out: out.logits.sum(), trace_once=trace_once)["forward"]
+            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", forward, re.M))
+            returned = re.search(r"^ +return \((.*)\)$", forward, re.M).group(1).split(", ")
             notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
             return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
 
