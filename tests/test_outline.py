@@ -106,6 +106,36 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         # the masks differ: a body makes its own from the boolean one, the flat trace one for all
         self.assertEqual((flat["f32[1, 8, 8]"], once["f32[1, 8, 8]"]), (1, 2))
 
+    def test_a_value_every_call_makes_alike_is_made_once(self):
+        # HF Llama as the benchmark builds it (sdpa, no cache, training): each layer turns the boolean
+        # mask the model makes once into the float mask its attention adds (``where``). The flat trace's
+        # CSE makes it once; each call of a body made its own and kept it for its backward, until
+        # `outline._hoist_shared` made it once before the calls
+        transformers = pytest.importorskip("transformers")
+
+        def saved(trace_once: bool) -> tuple[collections.Counter, list[str]]:
+            torch._dynamo.reset()
+            cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8,
+                                           tie_word_embeddings=False, use_cache=False)
+            cfg._attn_implementation = "sdpa"
+            model = seeded(lambda: transformers.LlamaForCausalLM(cfg))
+            plan = graphshard.Plan(mesh1d("dp"), {"model.layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+            forward = compiled_stages(model, plan, (ids,), loss_fn=lambda out: out.logits.sum(),
+                                      trace_once=trace_once)["forward"]
+            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", forward, re.M))
+            returned = re.search(r"^ +return \((.*)\)$", forward, re.M).group(1).split(", ")
+            notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
+            return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
+
+        (flat, _), (once, notes) = saved(False), saved(True)
+        self.assertEqual((flat["f32[2, 1, 8, 8]"], once["f32[2, 1, 8, 8]"]), (1, 1))  # 4 calls kept 4
+        self.assertEqual(notes, ["trace once: 4 units traced as 1 body (model.layers.0 x4), 1 on their own; "
+                                 "1 value(s) every call reads made once before the calls"])
+        activation = 2 * 8 * 32
+        self.assertEqual(_elements(once, activation), _elements(flat, activation))
+
     def test_units_of_different_shapes_are_not_shared(self):
         x, _ = token_batch(0, 2, 8, 32)
         model = seeded(Transformer, DEEP)

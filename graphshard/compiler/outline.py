@@ -31,7 +31,9 @@ refuses), one with a data-dependent size, one whose checkpointed random op would
 generator's state threaded through the graphs off the CPU (`_seeded_off_cpu`), and a checkpointed
 block whose output code outside checkpointing reads, the last one (`_hands_on_recomputable`).
 A unit's segment begins with its block's first node where that comes before its gather (a norm's
-steps before its weight, `_begin_at_blocks`).
+steps before its weight, `_begin_at_blocks`). What every call of a body would make alike from inputs
+they all share (HF Llama's float attention mask) is made once before the calls and read by each
+(`_hoist_shared`), as the flat trace's CSE makes it once.
 
 Activation checkpointing is outlined like the rest: the body's partition recomputes what its tags
 say, and ``explain``'s account adds each body's saved bytes without the tags (`Outlined.ac_saved`).
@@ -87,6 +89,8 @@ class Outlined:
     ac_saved: dict[str, tuple[int, int]] = field(default_factory=dict)  # body attribute -> bytes its forward
                                                                 # saves, with its checkpointing tags and without
     in_line: collections.Counter = field(default_factory=collections.Counter)  # why repeated units stayed in line
+    hoisted: int = 0                                            # values the calls of a body share, made once
+                                                                # outside it (`_hoist_shared`)
 
     @property
     def shared(self) -> dict[str, int]:
@@ -104,7 +108,8 @@ class Outlined:
             return f"no repeated units: {alone} unit(s) traced on their own{why}"
         parts = ", ".join(f"{self.bodies[b].units[0] or '<root>'} x{n}" for b, n in shared.items())
         bodies = "1 body" if len(shared) == 1 else f"{len(shared)} bodies"
-        return f"{len(self.calls)} units traced as {bodies} ({parts}), {alone} on their own{why}"
+        once = f"; {self.hoisted} value(s) every call reads made once before the calls" if self.hoisted else ""
+        return f"{len(self.calls)} units traced as {bodies} ({parts}), {alone} on their own{once}{why}"
 
 
 def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bool]) -> Outlined:
@@ -137,8 +142,9 @@ def outline_units(gm: fx.GraphModule, params: dict, input_requires_grad: list[bo
     for key, segs in groups.items():
         if len(segs) < 2:
             continue
-        # an input an earlier group's call gives now: the body is built from what its nodes read
-        segs[0].inputs = [replaced.get(n, n) for n in segs[0].inputs]
+        for seg in segs:  # an input an earlier group's call gives now: the body is built from what its nodes read
+            seg.inputs = [replaced.get(n, n) for n in seg.inputs]
+        outlined.hoisted += _hoist_shared(gm, segs)
         body = _body(segs[0])
         name = f"_graphshard_unit_body_{len(outlined.bodies)}"
         gm.add_submodule(name, body)
@@ -334,6 +340,61 @@ def _share_prefix(seg: _Segment, key: str | None, groups: dict, params: dict, gr
                 groups[key].remove(seg)
             segs.append(prefix)
             return
+
+
+def _hoist_shared(gm: fx.GraphModule, segs: list[_Segment]) -> int:
+    """Takes out of a group's segments the values each makes alike from what every call reads alike
+    (HF Llama's float attention mask, a ``where`` of the boolean mask the model makes once): the first
+    segment's stay before its call and every call reads them; the others' are erased. In the flat
+    graph CSE makes such a value once; in a body each call made its own, and its backward kept it
+    (0.5 MiB a layer at the benchmark's sizes). Returns how many values the calls now read.
+
+    Such a value is a deterministic op's single tensor, not checkpointed (a recomputed one costs no
+    memory, and stays where its tags put it), made from inputs that are one node for every call and
+    from other such values; a constant (no input) or a view moves only to feed one. The bodies stay
+    as they were where a call would then write an input or return a view of one."""
+    first = segs[0]
+    shared = {n for i, n in enumerate(first.inputs) if all(s.inputs[i] is n for s in segs[1:])}
+    if not shared:
+        return 0
+    outputs = set(first.outputs)
+    candidates: dict[fx.Node, None] = {}  # in order
+    reads_shared: set[fx.Node] = set()
+    for node in first.nodes:
+        if (node in outputs or _checkpointed(node) or not isinstance(node.meta.get("val"), torch.Tensor)
+                or not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable
+                or torch.Tag.nondeterministic_seeded in node.target.tags
+                or not all(a in shared or a in candidates for a in node.all_input_nodes)):
+            continue
+        candidates[node] = None
+        if any(a in shared or a in reads_shared for a in node.all_input_nodes):
+            reads_shared.add(node)
+    moved: set[fx.Node] = set()
+    for node in reversed(candidates):  # a view of a shared input moves only to feed what moves: it costs nothing
+        if (all(u in moved for u in node.users) if node.target.is_view
+                else node in reads_shared or any(u in moved for u in node.users)):
+            moved.add(node)
+    for node in candidates:  # and what it feeds then stays too
+        if node in moved and not all(a in shared or a in moved for a in node.all_input_nodes):
+            moved.discard(node)
+    read = {n for n in moved if any(u not in moved for u in n.users)}
+    kept = [n for n in first.nodes if n not in moved]
+    if (not read or any(_mutates_input(n, shared | read) for n in kept)
+            or any(view_base(o) in read for o in first.outputs)):
+        return 0
+    at = [i for i, n in enumerate(first.nodes) if n in moved]
+    for seg in segs[1:]:
+        mine = [seg.nodes[i] for i in at]
+        for own, theirs in zip(mine, (first.nodes[i] for i in at)):
+            own.replace_all_uses_with(theirs)
+        for own in reversed(mine):
+            gm.graph.erase_node(own)
+        gone = set(mine)
+        seg.nodes = [n for n in seg.nodes if n not in gone]
+        _with_boundary(seg)
+    first.nodes = kept
+    _with_boundary(first)
+    return len(read)
 
 
 def _hands_on_recomputable(seg: _Segment) -> bool:
