@@ -84,26 +84,19 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         pytest.importorskip("transformers")
         import workers.hf_archs as hf_archs
 
-        def saved(trace_once: bool) -> tuple[dict, list[str]]:
-            torch._dynamo.reset()
-            model = seeded(lambda: hf_archs.build("llama", layers=4))
-            units = {fqn: graphshard.FullyShard() for fqn in ["", *hf_archs.unit_fqns(model)]}
-            ids = hf_archs.batch("llama", 0, 2)["input_ids"]
-            forward = compiled_stages(model, graphshard.Plan(mesh1d("dp"), units), (ids,),
-                                      loss_fn=lambda out: out.logits.sum(), trace_once=trace_once)["forward"]
-            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", forward, re.M))
-            returned = re.search(r"^ +return \((.*)\)$", forward, re.M).group(1).split(", ")
-            notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
-            return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
+        def build():
+            return hf_archs.build("llama", layers=4)
 
-        (flat, _), (once, notes) = saved(False), saved(True)
+        ids = hf_archs.batch("llama", 0, 2)["input_ids"]
+        (flat, _), (once, notes) = (_hf_saved(build, ids, trace_once) for trace_once in (False, True))
         self.assertEqual(notes, ["trace once: 4 units traced as 1 body (model.layers.0 x4), 1 on their own"])
         # a value a layer hands on is f32[2, 8, 32] (or its f32[16, 32] view); the calls save as many
         # of them as the flat program, and the attention's tensors too (2 * 4 * 8 * 8 = 512 elements)
         activation = 2 * 8 * 32
         self.assertEqual(_elements(once, activation), _elements(flat, activation))
         self.assertEqual(_elements(flat, activation), 30 * activation)
-        # the masks differ: a body makes its own from the boolean one, the flat trace one for all
+        # the rotary cos and sin: the flat program saves their common argument and recomputes both,
+        # the calls read both as inputs (one of each for all calls)
         self.assertEqual((flat["f32[1, 8, 8]"], once["f32[1, 8, 8]"]), (1, 2))
 
     def test_a_value_every_call_makes_alike_is_made_once(self):
@@ -113,23 +106,15 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         # `outline._hoist_shared` made it once before the calls
         transformers = pytest.importorskip("transformers")
 
-        def saved(trace_once: bool) -> tuple[collections.Counter, list[str]]:
-            torch._dynamo.reset()
+        def build():
             cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=128, num_hidden_layers=4,
                                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=8,
                                            tie_word_embeddings=False, use_cache=False)
             cfg._attn_implementation = "sdpa"
-            model = seeded(lambda: transformers.LlamaForCausalLM(cfg))
-            plan = graphshard.Plan(mesh1d("dp"), {"model.layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
-            ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-            forward = compiled_stages(model, plan, (ids,), loss_fn=lambda out: out.logits.sum(),
-                                      trace_once=trace_once)["forward"]
-            shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", forward, re.M))
-            returned = re.search(r"^ +return \((.*)\)$", forward, re.M).group(1).split(", ")
-            notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
-            return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
+            return transformers.LlamaForCausalLM(cfg)
 
-        (flat, _), (once, notes) = saved(False), saved(True)
+        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+        (flat, _), (once, notes) = (_hf_saved(build, ids, trace_once) for trace_once in (False, True))
         self.assertEqual((flat["f32[2, 1, 8, 8]"], once["f32[2, 1, 8, 8]"]), (1, 1))  # 4 calls kept 4
         self.assertEqual(notes, ["trace once: 4 units traced as 1 body (model.layers.0 x4), 1 on their own; "
                                  "1 value(s) every call reads made once before the calls"])
@@ -198,6 +183,19 @@ _graphshard_unit_body_0(8 inputs) -> 2 outputs""")
             self.assertEqual(_skeleton(once[stage]), _skeleton(flat[stage]), stage)
         self.assertEqual(once["forward"].count("graphshard.all_reduce.default(") + once["forward"].count(
             "_c10d_functional.all_reduce.default("), 8)  # each block's two row-parallel outputs
+
+
+def _hf_saved(build, ids, trace_once: bool) -> tuple[collections.Counter, list[str]]:
+    """What an HF causal LM's compiled forward keeps for its backward (shape string -> count), each
+    ``model.layers`` block and the root a unit, and ``explain``'s trace-once note."""
+    torch._dynamo.reset()
+    model = seeded(build)
+    plan = graphshard.Plan(mesh1d("dp"), {"model.layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+    forward = compiled_stages(model, plan, (ids,), loss_fn=lambda out: out.logits.sum(), trace_once=trace_once)["forward"]
+    shapes = dict(re.findall(r"^ +(\w+): \"([^\"]+)\" =", forward, re.M))
+    returned = re.search(r"^ +return \((.*)\)$", forward, re.M).group(1).split(", ")
+    notes = [n for n in model._graphshard.explain[0].notes if n.startswith("trace once")]
+    return collections.Counter(shapes.get(n) for n in dict.fromkeys(returned)), notes
 
 
 def _elements(saved: collections.Counter, numel: int) -> int:
