@@ -145,7 +145,6 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         self.assertEqual(outlined.describe(), "3 units traced as 1 body (layers.0 x3), 2 on their own")
         self.assertEqual([c.units for c in outlined.calls], [["layers.0"], ["layers.1"], ["layers.2"]])
 
-
     def test_two_bodies_where_one_reads_the_others_output(self):
         # units at two linears of each block (FSDP1's per-module wrapping does this): the w1 units'
         # body reads the residual stream the wq units' calls now give. It is built from what its
