@@ -160,8 +160,10 @@ def _write_table(results: dict, selection: str) -> None:
     with open(os.path.join(out, "dmp_parity.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(out, "dmp_parity.json"), "w") as f:
+        # a case that took its job down has no figures: its own test reads it and fails with the job's error
         json.dump({c: {k: r[k] for k in ("loss_gs_ref", "param_gs_ref", "loss_gs_tr", "param_gs_tr", "loss_tr_ref",
-                                         "param_tr_ref", "torchrec_error", "sharding")} for c, r in results.items()},
+                                         "param_tr_ref", "torchrec_error", "sharding")}
+                   if r.get("error") != JOB_FAILED else {"error": r["message"]} for c, r in results.items()},
                   f, indent=1)
 
 
