@@ -178,18 +178,22 @@ def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph | None = None
     return _LazyGraphModule(root, graph, class_name=class_name)
 
 
-def report_output_strides(gm: torch.fx.GraphModule) -> None:
-    """Tells aot_autograd the strides of a graph lowered in pieces, as Inductor reports them
-    for a graph it compiled whole (aot_autograd restrides saved activations with them)."""
+def graph_output_strides(gm: torch.fx.GraphModule) -> list:
+    """The strides of ``gm``'s outputs as their traced values have them (None for a non-tensor)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    vals = [v.meta.get("val") if isinstance(v, torch.fx.Node) else None for v in out.args[0]]
+    return [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def report_output_strides(strides: list) -> None:
+    """Tells aot_autograd the output strides of a graph lowered in pieces (`graph_output_strides`),
+    as Inductor reports them for a graph it compiled whole (aot_autograd restrides saved
+    activations with them), and as a graph loaded from its cache reports them again."""
     from torch._guards import TracingContext
 
     tc = TracingContext.try_get()
-    if tc is None or tc.output_strides is None:
-        return
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    for v in out.args[0]:
-        val = v.meta.get("val") if isinstance(v, torch.fx.Node) else None
-        tc.output_strides.append(tuple(val.stride()) if isinstance(val, torch.Tensor) else None)
+    if tc is not None and tc.output_strides is not None:
+        tc.output_strides.extend(strides)
 
 
 def is_concrete_int(x) -> bool:
@@ -517,3 +521,130 @@ def rng_state_ops():
     from torch._prims import rng_prims
 
     return rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state
+
+
+# --- graphshard's programs in torch's AOTAutogradCache (compiler/program_cache.py) ---
+
+HAS_PROGRAM_CACHE = TORCH_VERSION >= (2, 13)
+"""torch 2.13 bundles a compiler's own OutputCode in an AOTAutogradCache entry and reloads it
+(``SerializableAOTDispatchCompiler``, ``bundled_autograd_cache``); torch 2.11 looks entries up
+by Inductor's FX graph cache keys only."""
+
+
+def output_code_base() -> type:
+    """Inductor's ``OutputCode``: what an AOTAutogradCache entry bundles (``object`` before 2.13)."""
+    if not HAS_PROGRAM_CACHE:
+        return object
+    from torch._inductor.output_code import OutputCode
+
+    return OutputCode
+
+
+def is_output_code(value) -> bool:
+    return HAS_PROGRAM_CACHE and isinstance(value, output_code_base())
+
+
+def serializable_compiler(output_type: type, compiler: Callable) -> Callable:
+    """``compiler`` (fx graph, inputs -> an ``output_type``) marked for aot_autograd as one whose
+    result its cache may store."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+
+    return SerializableAOTDispatchCompiler(output_type, compiler)
+
+
+def program_cache_settings(key_tag: str, cacheable: dict[str, str]) -> contextlib.AbstractContextManager:
+    """Settings, for one aot_autograd call, under which it looks its result up in its on-disk cache
+    and stores it there: bundled entries (the compiler's own ``OutputCode``), the backward compiled
+    within the call (a lazily compiled backward would store the entry after these settings end),
+    ``key_tag`` in the key, and the plain functions in ``cacheable`` (qualified name -> version)
+    allowed in the graph."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor
+    from torch.compiler import config as compiler_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=True, bundled_autograd_cache=True,
+                                               force_non_lazy_backward_lowering=True))
+    stack.enter_context(inductor.patch(unsafe_marked_cacheable_functions={
+        **inductor.unsafe_marked_cacheable_functions, **cacheable}))
+    stack.enter_context(compiler_config.patch(cache_key_tag=key_tag))
+    return stack
+
+
+def cache_key_tag() -> str:
+    from torch.compiler import config as compiler_config
+
+    return compiler_config.cache_key_tag
+
+
+def with_cache_key_tag(tag: str) -> contextlib.AbstractContextManager:
+    from torch.compiler import config as compiler_config
+
+    return compiler_config.patch(cache_key_tag=tag)
+
+
+def autograd_cache_counts() -> dict[str, int]:
+    """aot_autograd's cache hits, misses, bypasses and saves in this process so far."""
+    from torch._dynamo.utils import counters
+
+    c = counters["aot_autograd"]
+    return {k: c[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass", "saved")}
+
+
+def inductor_cudagraphs_enabled() -> bool:
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def stored_compiled_graph(compiled: Any) -> Any:
+    """A copy of Inductor's compiled graph (``CompiledFxGraph``) fit to pickle: its loaded module
+    replaced by its code's place in the on-disk cache, as aot_autograd's bundled entries store it."""
+    import copy
+
+    stored = copy.copy(compiled)
+    stored.prepare_for_serialization()
+    return stored
+
+
+def load_compiled_graph(stored: Any, is_backward: bool) -> Callable:
+    """A compiled region `stored_compiled_graph` kept, loaded again as Inductor loads a cache hit,
+    in a tracing context of its own (as `inductor_compile_region` compiles one: nothing reported to
+    the caller's aot_autograd)."""
+    from torch._guards import TracingContext, tracing
+
+    outer = TracingContext.try_get()
+    fake_mode = outer.fake_mode if outer is not None and outer.fake_mode is not None else FakeTensorMode()
+    with tracing(TracingContext(fake_mode)):
+        return load_whole_graph(stored, [], is_backward)
+
+
+def load_whole_graph(stored: Any, example_inputs, is_backward: bool) -> Callable:
+    """A compiled graph `stored_compiled_graph` kept, loaded again as Inductor loads a cache hit:
+    its module loaded, its output strides reported to the ambient aot_autograd."""
+    from torch._inductor.codecache import FxGraphCache
+    from torch._inductor.output_code import CompiledFxGraphConstants
+    from torch._inductor.utils import BoxedBool
+
+    constants = CompiledFxGraphConstants()
+    graph, _ = FxGraphCache.cache_hit_post_compile(stored, {}, constants)
+    if graph is None:
+        raise RuntimeError("graphshard: a compiled graph stored with the program could not be loaded again")
+    graph.post_compile(example_inputs, constants, {"cudagraphs": BoxedBool(False), "is_backward": is_backward,
+                                                   "boxed_forward_device_index": None})
+    return graph
+
+
+def graph_to_bytes(gm: torch.fx.GraphModule) -> bytes:
+    """``gm`` with its nodes' metadata (fake values included), as ``GraphPickler`` stores a graph."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    return GraphPickler.dumps(gm, Options(ops_filter=None))  # graphshard's and c10d's ops included
+
+
+def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
+    """A graph `graph_to_bytes` stored, its fake values in a fake mode of their own."""
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    return GraphPickler.loads(data, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))

@@ -32,6 +32,7 @@ def compile(
     share_compile: bool = True,
     check_collectives: bool = True,
     trace_once: bool = True,
+    program_cache: bool = False,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 
@@ -44,7 +45,8 @@ def compile(
                            backward_prefetch=backward_prefetch, regional=regional, strict=strict,
                            dump_graphs=dump_graphs, batch_cpp_kernels=batch_cpp_kernels,
                            fast_isa_check=fast_isa_check, share_compile=share_compile,
-                           check_collectives=check_collectives, trace_once=trace_once)
+                           check_collectives=check_collectives, trace_once=trace_once,
+                           program_cache=program_cache)
     if state_of(model) is None:
         shard(model, plan)
     elif state_of(model).plan is not plan:

@@ -37,7 +37,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
-from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, recompute
+from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, program_cache, recompute
 from graphshard.compiler.aten_trace import trace_to_aten
 from graphshard.compiler.regions import inline_regions
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
@@ -99,8 +99,9 @@ def _compile(gm: fx.GraphModule, example_inputs, config: CompileConfig, models: 
         compiled = _aot_compile(traced, fake_inputs, prepared.ctx, outlined, ac_regions)
     times = prepared.ctx.report.compile_seconds
     times.update(trace_to_aten=t1 - t0, pre_autograd_passes=t2 - t1)
-    times["aot_autograd"] = (time.perf_counter() - t2 - times.get("outline", 0) - times.get("forward_lowering", 0)
-                             - times.get("backward_lowering", 0))
+    if "program_load" not in times:  # a program loaded from the cache (`program_cache`) skipped aot_autograd
+        times["aot_autograd"] = (time.perf_counter() - t2 - times.get("outline", 0) - times.get("forward_lowering", 0)
+                                 - times.get("backward_lowering", 0))
     prepared.ctx.report.backend_seconds = time.perf_counter() - t0
     if not prepared.dtensor_positions and not dtensor_outputs and random_inputs is None:
         return _first_run_timed(compiled, prepared.ctx.report)
@@ -486,17 +487,35 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             ahead = plan_regions(bw, is_backward=True)[3]
         return fw, bw
 
+    cache_off = program_cache.supported(config) if config.program_cache else None
+    use_cache = config.program_cache and cache_off is None
+    if cache_off:
+        ctx.report.notes.append(f"program cache: not used: {cache_off}")
+        log.info("graphshard: program cache not used: %s", cache_off)
+    added = program_cache.ReportDelta(ctx.report) if use_cache else None
+    user_tag = _compat.cache_key_tag()  # the program's key tag is aot_autograd's only, not its regions'
+    lower_variant = functools.partial(_lower_variant, config=config, share=share, compiled=compiled)
+
+    def checked(fn: Callable, by_group: dict | None, stage: str) -> Callable:
+        if by_group is None:
+            return fn
+        check = collective_check.CollectiveCheck(
+            by_group, program, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
+        return collective_check.wrap(fn, check)
+
     def stage_compiler(stage: str):
         def compile_graph(g: fx.GraphModule, inputs):
+            with _compat.with_cache_key_tag(user_tag):
+                return lower_stage(g, inputs)
+
+        def lower_stage(g: fx.GraphModule, inputs):
             start = time.perf_counter()
             ctx.stage = stage
             is_backward = stage == "backward"
             if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
                 g = run_passes(outline.inline_calls(g, outlined), ctx, post_partition_passes())
-            check = None  # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
-            if collective_check.enabled(config):
-                check = collective_check.CollectiveCheck(
-                    g, program, stage, report=functools.partial(ctx.report.collective_check.__setitem__, stage))
+            # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
+            by_group = collective_check.fingerprint(g) if collective_check.enabled(config) else None
             if config.lower == "inductor" and share is not None and not config.fast_isa_check:
                 # before the first C++ kernel the local ranks split Inductor's ISA check (the shortcut checks one)
                 if isa_share := inductor_cpu.share_isa_checks(share, _tensors(inputs)):
@@ -522,27 +541,57 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                         g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
-            if is_backward and partitioned:
-                compiled_fn = _with_grad_sync(g, inputs, compiled_fn, ctx, functools.partial(
-                    _lower_variant, config=config, share=share, compiled=compiled))
-            if check is not None:
-                compiled_fn = collective_check.wrap(compiled_fn, check)
-            return compiled_fn
+            lowered, kept = compiled_fn, None
+            if is_backward and partitioned and (roots := _grad_sync_roots(g, ctx)):
+                ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
+                                        "reduction(s) and with the accumulated gradients added, each built and lowered "
+                                        "on first use")
+                compiled_fn = grad_sync.GradSync(compiled_fn, lambda: (g, roots, list(inputs)), ctx.models, lower_variant)
+                kept = g
+            compiled_fn = checked(compiled_fn, by_group, stage)
+            if not use_cache:
+                return compiled_fn
+            return program_cache.StageProgram(stage, lowered, compiled_fn, by_group=by_group, backward=kept,
+                                              report=added.take())
 
         return compile_graph
+
+    def rebuild(stored: program_cache.StageProgram) -> None:
+        """A program loaded from the cache, with graphshard's wrappers and report put back."""
+        program_cache.apply_delta(ctx.report, stored.report)
+        fn = stored.lowered
+        if stored.backward is not None:
+            fn = grad_sync.GradSync(fn, lambda: _stored_backward(stored, ctx), ctx.models, lower_variant)
+        stored.run = checked(fn, stored.by_group if collective_check.enabled(config) else None, stored.stage)
 
     decomps = dict(decompositions())
     if config.lower == "inductor":
         decomps = {**_compat.inductor_decompositions(), **decomps}
-    with _no_dropped_gradients():
-        return _compat.aot_module_simplified(
+    fw_compiler, bw_compiler = stage_compiler("forward"), stage_compiler("backward")
+    settings: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if use_cache:
+        fw_compiler = _compat.serializable_compiler(program_cache.StageProgram, fw_compiler)
+        bw_compiler = _compat.serializable_compiler(program_cache.StageProgram, bw_compiler)
+        tag = program_cache.key_tag(gm, config, ctx.input_units, ctx.group_axes, ctx.model_parallel)
+        settings = _compat.program_cache_settings(f"{user_tag}/{tag}" if user_tag else tag,
+                                                  program_cache.CACHEABLE_FUNCTIONS)
+        outcome = program_cache.Outcome()
+    with _no_dropped_gradients(), settings, program_cache.loading(rebuild):
+        result = _compat.aot_module_simplified(
             gm,
             fake_inputs,
-            fw_compiler=stage_compiler("forward"),
-            bw_compiler=stage_compiler("backward"),
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
             partition_fn=partition,
             decompositions=decomps,
         )
+    if use_cache:
+        note, hit = outcome.describe()
+        ctx.report.notes.append(note)
+        log.info("graphshard: graph %d: %s", ctx.report.index, note)
+        if hit:
+            ctx.report.compile_seconds["program_load"] = time.perf_counter() - outcome.start
+    return result
 
 
 _NO_DERIVATIVE = "autograd kernel was not registered"
@@ -569,17 +618,21 @@ def _no_dropped_gradients():
             ) from e
 
 
-def _with_grad_sync(bw: fx.GraphModule, inputs, plain, ctx: PassContext, lower):
-    """The backward as a `grad_sync.GradSync` when it has data-parallel gradient reductions
-    (``graphshard.no_sync`` then selects a program without them), else ``plain``."""
+def _grad_sync_roots(bw: fx.GraphModule, ctx: PassContext) -> list[fx.Node]:
+    """The backward's data-parallel gradient reductions ``graphshard.no_sync`` skips (`grad_sync`):
+    with any, the backward runs as a `grad_sync.GradSync`, which selects a program without them."""
+    if not ctx.models:
+        return []
     mp_groups = {axis.group_name for axis in ctx.model_parallel.values()}
     params = {i for i, unit in enumerate(ctx.input_units) if unit is not None}
-    roots = grad_sync.root_reductions(bw, mp_groups, params)
-    if not roots or not ctx.models:
-        return plain
-    ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
-                            "reduction(s) and with the accumulated gradients added, each built and lowered on first use")
-    return grad_sync.GradSync(plain, bw, roots, list(inputs), ctx.models, lower)
+    return grad_sync.root_reductions(bw, mp_groups, params)
+
+
+def _stored_backward(stored: program_cache.StageProgram, ctx: PassContext) -> tuple[fx.GraphModule, list, list]:
+    """A loaded backward program's graph, for ``no_sync``'s programs: its roots found again."""
+    bw = stored.backward_graph()
+    inputs = [ph.meta["val"] for ph in bw.graph.find_nodes(op="placeholder")]
+    return bw, _grad_sync_roots(bw, ctx), inputs
 
 
 def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, share, compiled: dict):

@@ -186,9 +186,9 @@ class Program(NamedTuple):
 class CollectiveCheck:
     """The comparison a program makes at its first run (`wrap`)."""
 
-    def __init__(self, gm: fx.GraphModule, program: Program, stage: str,
+    def __init__(self, by_group: dict[str, list[Entry]], program: Program, stage: str,
                  report: Callable[[str], None] | None = None) -> None:
-        self.by_group = fingerprint(gm)
+        self.by_group = by_group  # `fingerprint` of the program's graph (stored with a cached program)
         self.program, self.stage, self.report = program, stage, report
 
     def run(self) -> None:

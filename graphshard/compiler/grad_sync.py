@@ -149,31 +149,33 @@ def flush_variant(gm: fx.GraphModule, roots: list[fx.Node]) -> fx.GraphModule:
 class GradSync:
     """The backward, in aot_autograd's boxed convention: ``plain``, or, while the model's
     ``sync_gradients`` is off, ``accumulate`` (keeping the pending buffers), then ``flush``
-    on the first synchronizing call. The two derived programs are built from ``backward`` (the
-    partitioned graph ``plain`` was lowered from, with its data-parallel ``roots``) and lowered
-    by ``lower`` on their first use, and kept."""
+    on the first synchronizing call. The two derived programs are built from the backward graph
+    ``plain`` was lowered from (``source()``: the partitioned graph, its data-parallel roots and its
+    example inputs; read on first use, so a program loaded from the cache loads that graph only
+    when ``no_sync`` is used) and lowered by ``lower`` on their first use, and kept."""
 
     _boxed_call = True
 
-    def __init__(self, plain: Callable, backward: fx.GraphModule, roots: list[fx.Node], inputs: list,
+    def __init__(self, plain: Callable, source: Callable[[], tuple[fx.GraphModule, list[fx.Node], list]],
                  models: tuple, lower: Callable[[fx.GraphModule, list], Callable]):
-        self.plain = plain
-        self.backward, self.roots, self.inputs = backward, roots, inputs
-        self.sent = [x for r in roots for x in sent(r)]
-        self.n_extra = len(self.sent)  # flush's pending buffers: one input per value a root reduces
+        self.plain, self.source = plain, source
         self.models = models  # the sharded models whose no_sync state selects the program
         self.lower = lower
         self.compiled: dict[str, Callable] = {}
+        self.n_extra = 0  # flush's pending buffers: one input per value a root reduces
         self.pending: list[torch.Tensor] | None = None
 
     def _program(self, name: str) -> Callable:
         if name not in self.compiled:
             log.info("no_sync: building and lowering the %s backward program", name)
+            backward, roots, inputs = self.source()
+            values = [x for r in roots for x in sent(r)]
+            self.n_extra = len(values)
             if name == "accumulate":
-                graph, inputs = accumulate_variant(self.backward, self.roots), self.inputs
+                graph = accumulate_variant(backward, roots)
             else:
-                graph = flush_variant(self.backward, self.roots)
-                inputs = self.inputs + [x.meta["val"] for x in self.sent]
+                graph = flush_variant(backward, roots)
+                inputs = inputs + [x.meta["val"] for x in values]
             self.compiled[name] = self.lower(graph, inputs)
         return self.compiled[name]
 

@@ -404,7 +404,10 @@ class RegionalProgram:
 
     _boxed_call = True  # aot_autograd's calling convention: one list of inputs, cleared by the callee
 
-    def __init__(self, graph: fx.Graph, steps: list[fx.Node | Region], compiled: dict[tuple, Callable]):
+    def __init__(self, graph: fx.Graph, steps: list[fx.Node | Region], compiled: dict[tuple, Callable],
+                 is_backward: bool = False):
+        self.is_backward = is_backward
+        self.output_strides: list | None = None  # reported to aot_autograd (`lower_regions`), again on a load
         placeholders = list(graph.find_nodes(op="placeholder"))
         out_node = next(n for n in graph.nodes if n.op == "output")
         slot: dict[fx.Node, int] = {n: i for i, n in enumerate(placeholders)}
@@ -446,7 +449,7 @@ class RegionalProgram:
                     fn = compiled[step.key]
                 else:
                     if step.signature() not in eager:
-                        eager[step.signature()] = _eager_region(step)
+                        eager[step.signature()] = EagerRegion(step.module())
                     fn = eager[step.signature()]
                 # An output nothing reads (a region reused for its computation) is dropped at once.
                 self.program.append(("region", fn, [slot[a] for a in step.inputs],
@@ -467,6 +470,39 @@ class RegionalProgram:
     def describe(self) -> str:
         """One line per step: communication calls by op, regions by their compiled key."""
         return "\n".join(self.listing)
+
+    def __getstate__(self) -> dict:
+        """The program as data (`program_cache`): each distinct compiled region as Inductor's compiled
+        graph fit to pickle (`_compat.stored_compiled_graph`), each op by its name."""
+        stored: dict[int, Any] = {}  # the layers' regions share a few compiled graphs: each stored once
+
+        def store(fn):
+            if isinstance(fn, torch._ops.OpOverload):
+                return _OpName(fn.name())  # "namespace::op.overload"
+            if not _compat.is_output_code(fn):
+                return fn  # eager regions, the in-place collectives' objects and functions: pickled as they are
+            if id(fn) not in stored:
+                stored[id(fn)] = _StoredRegion(_compat.stored_compiled_graph(fn))
+            return stored[id(fn)]
+
+        state = dict(self.__dict__)
+        state["program"] = [(kind, store(fn), *rest) for kind, fn, *rest in self.program]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        loaded: dict[int, Callable] = {}
+
+        def load(fn):
+            if isinstance(fn, _OpName):
+                return fn.resolve()
+            if isinstance(fn, _StoredRegion):
+                if id(fn) not in loaded:
+                    loaded[id(fn)] = _compat.load_compiled_graph(fn.graph, self.is_backward)
+                return loaded[id(fn)]
+            return fn
+
+        self.program = [(kind, load(fn), *rest) for kind, fn, *rest in self.program]
 
     def __call__(self, args: list) -> Any:
         env: list[Any] = [None] * self.n_slots
@@ -579,6 +615,9 @@ class InPlaceGather:
         self.world, self.group_name = world, group_name
         self._rank = rank  # this process's rank in the group: looked up at the first run
 
+    def __getstate__(self) -> dict:
+        return {"world": self.world, "group_name": self.group_name, "_rank": None}  # another rank may load it
+
     def rank(self) -> int:
         if self._rank is None:
             self._rank = _compat.group_rank(self.group_name)
@@ -614,16 +653,43 @@ def _resolve(template, env: list):
     return template
 
 
-def _eager_region(region: Region) -> Callable:
-    """A region with nothing to generate (views, library calls): run its ATen calls directly."""
-    forward = region.module().forward
+class EagerRegion:
+    """A region with nothing to generate (views, library calls): its ATen calls run directly. Pickles
+    as its graph module (its code)."""
 
-    def run(boxed: list):
-        outs = forward(*boxed)
+    def __init__(self, module: fx.GraphModule):
+        self.module = module
+        self.forward = module.forward
+
+    def __call__(self, boxed: list):
+        outs = self.forward(*boxed)
         boxed.clear()
         return outs
 
-    return run
+    def __getstate__(self) -> dict:
+        return {"module": self.module}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["module"])
+
+
+class _OpName:
+    """An operator in a stored program: by its qualified name (``OpOverload``s do not pickle)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def resolve(self):
+        namespace, rest = self.name.split("::")
+        op, _, overload = rest.partition(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+class _StoredRegion:
+    """A compiled region in a stored program: Inductor's compiled graph, loaded when the program is."""
+
+    def __init__(self, graph):
+        self.graph = graph
 
 
 @dataclass
@@ -760,7 +826,8 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
                 if share is not None:
                     share.wait(w.digest(), deadline)  # claimed by another rank: its result is in the cache
                 compiled[(w.is_backward, w.key)] = compile_timed(w)
-    program = RegionalProgram(gm.graph, steps, {k: compiled[(is_backward, k)] for k in work})
+    program = RegionalProgram(gm.graph, steps, {k: compiled[(is_backward, k)] for k in work}, is_backward)
     if report_strides:  # a graph aot_autograd partitioned (not one derived from it afterwards)
-        _compat.report_output_strides(gm)
+        program.output_strides = _compat.graph_output_strides(gm)
+        _compat.report_output_strides(program.output_strides)
     return program, order, counts

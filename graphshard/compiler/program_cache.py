@@ -1,0 +1,224 @@
+"""graphshard's compiled programs in torch's AOTAutogradCache (``CompileConfig.program_cache``).
+
+A second process on the same model and plan would otherwise differentiate, partition, schedule
+and lower its graphs again: only Inductor's kernels come from the on-disk cache. Here the
+backend's stage compilers return a `StageProgram`, an Inductor ``OutputCode`` that aot_autograd
+bundles into its cache entry with its own runtime metadata (input mutations, aliased outputs,
+saved tensors). A later process whose graph has the same key loads the entry instead of calling
+the partitioner and the compilers: the lowered programs come back with their compiled regions
+(`lowering.RegionalProgram` pickles itself), and what graphshard wraps around them (the
+collective check, ``no_sync``'s programs) is rebuilt from the data stored with them.
+
+The key is aot_autograd's (the graph graphshard hands it, its inputs, torch's and Inductor's
+settings) plus `key_tag`: what aot_autograd's key leaves out and graphshard's partitioner and
+passes read (node metadata, the compile config, the units and process groups of the inputs) and
+graphshard's own source. What is still done in a second process, and why: dynamo (its guards
+are the process's own), the trace to ATen and the pre-autograd passes (the key is computed from
+their result), and the outline of repeated blocks (it rewrites the graph the key is taken of).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import hashlib
+import logging
+import os
+import re
+import time
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from graphshard import _compat
+from graphshard.compiler.explain import GraphReport
+
+log = logging.getLogger(__name__)
+
+VERSION = "1"
+"""Part of every key: bump it when what a stored program holds changes."""
+
+CACHEABLE_FUNCTIONS = {"graphshard.compiler.outline.call_body": VERSION}
+"""Plain functions in the graph handed to aot_autograd (an outlined block's call), allowed in its
+cache: what they do is graphshard's source, which `key_tag` covers."""
+
+# Node metadata that aot_autograd's key already covers (fake values: the graph's code and inputs fix
+# them) or that holds per-process objects; every other key is part of `key_tag`.
+_UNKEYED_META = frozenset({"val", "tensor_meta", "example_value", "eager_input_vals", "from_node",
+                           "seq_nr", "source_fn_stack", "nn_module_stack", "fwd_nn_module_stack",
+                           "fwd_source_fn_stack", "original_aten", "torch_fn"})
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+
+def supported(config) -> str | None:
+    """Why the program cache cannot serve this compile, or None when it can."""
+    if not _compat.HAS_PROGRAM_CACHE:
+        return f"torch {_compat.TORCH_VERSION[0]}.{_compat.TORCH_VERSION[1]} cannot bundle a compiler's own program (2.13 can)"
+    if config.lower != "inductor":
+        return f"lower={config.lower!r} compiles nothing to keep"
+    if not _compat.inductor_fx_graph_cache_enabled():
+        return "Inductor's on-disk caches are off"
+    if _compat.inductor_cudagraphs_enabled():
+        return "Inductor's CUDA graphs are on: a stored program keeps no CUDA graph of its regions"
+    return None
+
+
+@functools.cache
+def source_digest() -> str:
+    """graphshard's own code: a stored program is valid for the source that compiled it."""
+    h = hashlib.sha256()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for package in ("graphshard", "passes", "kernels"):
+        for folder, dirs, files in sorted(os.walk(os.path.join(root, package))):
+            dirs.sort()
+            for name in sorted(f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
+
+
+def key_tag(gm: fx.GraphModule, config, input_units: list, group_axes: dict[str, str],
+            model_parallel: dict) -> str:
+    """What aot_autograd's key leaves out of a program graphshard compiles: each node's metadata
+    (recompute tags, trace-once marks, placements: ``GraphModule`` pickles without it), the
+    compile config, the unit of each input and the process group of each axis (the scheduling and
+    ``no_sync`` read them), graphshard's source and this module's `VERSION`."""
+    h = hashlib.sha256()
+    h.update(f"{VERSION}|{source_digest()}|{config!r}|{input_units!r}|{sorted(group_axes.items())!r}|".encode())
+    h.update(repr(sorted((name, axis.group_name) for name, axis in model_parallel.items())).encode())
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            for n in module.graph.nodes:
+                meta = sorted((k, _ADDRESS.sub("", repr(v))) for k, v in n.meta.items() if k not in _UNKEYED_META)
+                h.update(f"{n.name}{meta!r}".encode())
+    return f"graphshard-program-{h.hexdigest()[:40]}"
+
+
+class ReportDelta:
+    """What a stage's compile added to explain's report (the partition's scheduling, the lowering's
+    order and regions, notes and fallbacks), kept with the stored program and added again to the
+    report of the compile that loads it. Timings are the compile's own and are not kept."""
+
+    LISTS = ("collectives", "fallbacks", "notes")
+    DICTS = ("order", "schedule", "lowered_order", "regions", "recompute")
+
+    def __init__(self, report: GraphReport):
+        self.report = report
+        self.mark()
+
+    def mark(self) -> None:
+        self.lengths = {name: len(getattr(self.report, name)) for name in self.LISTS}
+        self.dicts = {name: dict(getattr(self.report, name)) for name in self.DICTS}
+
+    def take(self) -> dict[str, Any]:
+        """What was added since the last mark; marks again."""
+        added: dict[str, Any] = {name: list(getattr(self.report, name)[n:]) for name, n in self.lengths.items()}
+        for name, before in self.dicts.items():
+            added[name] = {k: v for k, v in getattr(self.report, name).items() if before.get(k) is not v}
+        self.mark()
+        return added
+
+
+def apply_delta(report: GraphReport, added: dict[str, Any]) -> None:
+    for name in ReportDelta.LISTS:
+        getattr(report, name).extend(added.get(name, ()))
+    for name in ReportDelta.DICTS:
+        getattr(report, name).update(added.get(name, {}))
+
+
+class StageProgram(_compat.output_code_base()):
+    """A lowered forward or backward program as aot_autograd's cache keeps it (an Inductor
+    ``OutputCode``, boxed calling convention).
+
+    * ``lowered``: the program as lowered (a `lowering.RegionalProgram`, or Inductor's compiled
+      graph for a graph lowered whole);
+    * ``by_group``: the collective check's fingerprint (`collective_check.fingerprint`), or None;
+    * ``backward``: the partitioned backward graph, kept when ``no_sync`` may derive programs from
+      it (stored as bytes, loaded on ``no_sync``'s first use);
+    * ``report``: what the stage's compile added to explain's report (`ReportDelta`).
+
+    ``run`` is the program with graphshard's wrappers; a loaded one gets them again from the
+    compile that loads it (`loading`)."""
+
+    def __init__(self, stage: str, lowered: Callable, run: Callable, *, by_group: dict | None,
+                 backward: fx.GraphModule | None, report: dict[str, Any]):
+        if _compat.HAS_PROGRAM_CACHE:
+            super().__init__()
+        self.stage, self.lowered, self.by_group, self.backward, self.report = stage, lowered, by_group, backward, report
+        self.run = run
+        self._boxed_call = True
+
+    def __call__(self, inputs: list) -> Any:
+        return self.run(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        """On aot_autograd's copy of the entry, before it is pickled."""
+        self.run = None
+        if _compat.is_output_code(self.lowered):
+            self.lowered = _compat.stored_compiled_graph(self.lowered)
+        if isinstance(self.backward, fx.GraphModule):
+            self.backward = _compat.graph_to_bytes(self.backward)
+
+    def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
+        """On a load: the program's regions are loaded (unpickling did it); reports its output
+        strides to aot_autograd, as its lowering did, and gets graphshard's wrappers back."""
+        load = _LOADING.get()
+        if load is None:
+            raise RuntimeError("graphshard: a program from torch's AOTAutogradCache was loaded outside graphshard's "
+                               "backend (torch.compile's precompile or another backend's cache), which cannot rebuild it")
+        if _compat.is_output_code(self.lowered):
+            self.lowered = _compat.load_whole_graph(self.lowered, example_inputs, self.stage == "backward")
+        elif getattr(self.lowered, "output_strides", None) is not None:
+            _compat.report_output_strides(self.lowered.output_strides)
+        load(self)
+
+    def backward_graph(self) -> fx.GraphModule:
+        if isinstance(self.backward, bytes):
+            self.backward = _compat.graph_from_bytes(self.backward)
+        return self.backward
+
+
+_LOADING: contextvars.ContextVar[Callable[[StageProgram], None] | None] = contextvars.ContextVar(
+    "graphshard_program_loading", default=None)
+
+
+def loading(rebuild: Callable[[StageProgram], None]):
+    """Within the context, a `StageProgram` aot_autograd loads is handed to ``rebuild`` (the
+    backend's, which puts graphshard's wrappers back and its report in place)."""
+    return _Loading(rebuild)
+
+
+class _Loading:
+    def __init__(self, rebuild: Callable[[StageProgram], None]):
+        self.rebuild, self.token = rebuild, None
+
+    def __enter__(self):
+        self.token = _LOADING.set(self.rebuild)
+        return self
+
+    def __exit__(self, *exc):
+        _LOADING.reset(self.token)
+
+
+class Outcome:
+    """What the cache did for one compile, from aot_autograd's counters (read before and after)."""
+
+    def __init__(self):
+        self.before = _compat.autograd_cache_counts()
+        self.start = time.perf_counter()
+
+    def describe(self) -> tuple[str, bool]:
+        after = _compat.autograd_cache_counts()
+        seconds = time.perf_counter() - self.start
+        d = {k: after[k] - self.before[k] for k in after}
+        if d["hit"]:
+            return (f"program cache: loaded from torch's AOTAutogradCache in {seconds:.2f} s (aot_autograd, the "
+                    "post-partition passes and lowering skipped)"), True
+        if d["saved"]:
+            return "program cache: compiled and stored in torch's AOTAutogradCache", False
+        if d["bypass"]:
+            return ("program cache: bypassed by torch's AOTAutogradCache (a node or setting it cannot key; "
+                    "TORCH_LOGS=+torch._functorch._aot_autograd.autograd_cache names it): compiled, not stored"), False
+        return "program cache: compiled, not stored (torch's AOTAutogradCache did not save the entry)", False
