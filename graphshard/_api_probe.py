@@ -40,6 +40,8 @@ _COMPAT = "graphshard/_compat.py"
 _BATCH = "graphshard/compiler/inductor_cpu.py batched_cpp_kernels (CompileConfig.batch_cpp_kernels)"
 _ISA = "graphshard/compiler/inductor_cpu.py inductor_cpu_settings (CompileConfig.fast_isa_check)"
 _ISA_GATE = "without it fast_isa_check does nothing: Inductor checks every ISA itself"
+_CACHE = "graphshard/compiler/program_cache.py (_compat: CompileConfig.program_cache)"
+_CACHE_GATE = "without it program_cache is off and explain says why"
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     # multi-tensor ops and functional collectives
@@ -119,7 +121,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode", "graphshard/compiler/explain.py"),
     ("torch._dynamo.config[capture_dynamic_output_shape_ops]",
      "model_parallel/_dmp.py (_compat.trace_data_dependent_outputs: sequence lookups)"),
-    ("torch._dynamo.utils.counters", "tests (_compat.dynamo_counters)"),
+    ("torch._dynamo.utils.counters", "tests (_compat.dynamo_counters), program_cache.py (_compat.autograd_cache_counts)"),
     ("torch._dynamo.maybe_mark_dynamic",
      "sparse/input_dist.py: the ids a pipeline exchanged ahead (_compat.maybe_mark_dynamic)"),
     ("torch._dynamo.symbolic_convert.InstructionTranslator.current_tx",
@@ -177,6 +179,19 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ('torch._inductor.codecache:"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"', _BATCH),
     ("torch._inductor.async_compile.AsyncCompile.cpp_pybinding", _BATCH),
     ("torch._inductor.async_compile.AsyncCompile.wait", _BATCH),
+    # graphshard's programs in aot_autograd's cache (CompileConfig.program_cache; torch >= 2.13)
+    ("torch._inductor.output_code.OutputCode", _CACHE, _CACHE_GATE),
+    ("torch._inductor.output_code.CompiledFxGraphConstants", _CACHE, _CACHE_GATE),
+    ("torch._inductor.codecache.FxGraphCache.cache_hit_post_compile", _CACHE, _CACHE_GATE),
+    ("torch._inductor.utils.BoxedBool", _CACHE, _CACHE_GATE),
+    ("torch._functorch._aot_autograd.schemas.SerializableAOTDispatchCompiler", _CACHE, _CACHE_GATE),
+    ("torch._functorch.config[enable_autograd_cache]", _CACHE, _CACHE_GATE),
+    ("torch._functorch.config[bundled_autograd_cache]", _CACHE, _CACHE_GATE),
+    ("torch._functorch.config[force_non_lazy_backward_lowering]", _CACHE, _CACHE_GATE),
+    ("torch._inductor.config[unsafe_marked_cacheable_functions]", _CACHE, _CACHE_GATE),
+    ("torch._inductor.config[triton.cudagraphs]", _CACHE, _CACHE_GATE),
+    ("torch.fx._graph_pickler.GraphPickler", _CACHE, _CACHE_GATE),
+    ("torch.fx._graph_pickler.Options(ops_filter=)", _CACHE, _CACHE_GATE),
     # torch.distributed, DTensor, FSDP1
     ("torch.distributed.distributed_c10d._get_default_store",
      "backend.py (_compat.default_store: compile sharing), collective_check.py"),

@@ -512,6 +512,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             start = time.perf_counter()
             ctx.stage = stage
             is_backward = stage == "backward"
+            kept = None  # the backward graph kept with a stored program, for no_sync's programs
             if not partitioned:  # an inference graph: aot_autograd compiles it without partitioning
                 g = run_passes(outline.inline_calls(g, outlined), ctx, post_partition_passes())
             # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
@@ -535,24 +536,27 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                     with open(os.path.join(config.dump_graphs, f"g{ctx.report.index}_{stage}_regions.txt"), "w") as f:
                         f.write(compiled_fn.describe() + "\n")
             else:
+                if use_cache and is_backward and partitioned and _grad_sync_roots(g, ctx):
+                    # no_sync's source as partitioned: Inductor's lowering of a whole graph leaves it unpicklable
+                    kept = _compat.graph_to_bytes(g)
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                     g = fuse_packed_gathers(g)
                     compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
                         g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
-            lowered, kept = compiled_fn, None
+            lowered = compiled_fn
             if is_backward and partitioned and (roots := _grad_sync_roots(g, ctx)):
                 ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
                                         "reduction(s) and with the accumulated gradients added, each built and lowered "
                                         "on first use")
                 compiled_fn = grad_sync.GradSync(compiled_fn, lambda: (g, roots, list(inputs)), ctx.models, lower_variant)
-                kept = g
+                kept = g if kept is None else kept
             compiled_fn = checked(compiled_fn, by_group, stage)
             if not use_cache:
                 return compiled_fn
             return program_cache.StageProgram(stage, lowered, compiled_fn, by_group=by_group, backward=kept,
-                                              report=added.take())
+                                              report=added.take(), seconds=time.perf_counter() - start)
 
         return compile_graph
 

@@ -101,15 +101,18 @@ class GraphReport:
         if calls:
             lines.append(f"    dynamo: {calls} blocks from {bodies} traced bod{'y' if bodies == 1 else 'ies'}, "
                          f"traced to ATen {_times(aten)}")
+        loaded = "program_load" in self.compile_seconds  # from the program cache: nothing traced, partitioned or lowered
         for name in outlined.shared:
             units = [c.units[0] or "<root>" for c in outlined.calls if c.body == name]
-            lines.append(f"    {units[0]}, reused by {len(units)} units ({_short_list(units)}): traced once "
-                         f"in {outlined.seconds.get(name, 0.0):.2f}s; {self._lowered(name)}")
-        lines.append(f"    the shared bodies' partitions (once each): {outlined.partition_seconds:.2f}s")
-        lines.append(f"    in line (the units on their own, the model's head and tail): {self._lowered(None)}")
+            done = "loaded with the program" if loaded else f"traced once in {outlined.seconds.get(name, 0.0):.2f}s"
+            lines.append(f"    {units[0]}, reused by {len(units)} units ({_short_list(units)}): {done}; "
+                         f"{self._lowered(name, loaded)}")
+        if not loaded:
+            lines.append(f"    the shared bodies' partitions (once each): {outlined.partition_seconds:.2f}s")
+        lines.append(f"    in line (the units on their own, the model's head and tail): {self._lowered(None, loaded)}")
         return lines
 
-    def _lowered(self, body: str | None) -> str:
+    def _lowered(self, body: str | None, loaded: bool = False) -> str:
         seconds, parts = 0.0, []
         for stage, counts in self.regions.items():
             mine = counts.get("bodies", {}).get(body)
@@ -118,7 +121,8 @@ class GraphReport:
             seconds += mine["seconds"]
             if mine["regions"]:
                 parts.append(f"{stage} {mine['regions']} regions from {mine['compiled']} compiled")
-        return f"lowered in {seconds:.2f}s" + (f" ({', '.join(parts)})" if parts else "")
+        done = "lowered by the compile that stored the program" if loaded else f"lowered in {seconds:.2f}s"
+        return done + (f" ({', '.join(parts)})" if parts else "")
 
 
 def timing_compiles(reports: list[GraphReport]) -> Callable[[Callable], Callable]:

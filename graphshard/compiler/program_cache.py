@@ -19,6 +19,7 @@ their result), and the outline of repeated blocks (it rewrites the graph the key
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import hashlib
@@ -26,7 +27,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.fx as fx
 
@@ -122,6 +123,9 @@ class ReportDelta:
 
 
 def apply_delta(report: GraphReport, added: dict[str, Any]) -> None:
+    """``added`` (`ReportDelta.take`) put in ``report``; a fallback is logged again, as its pass did."""
+    for fallback in added.get("fallbacks", ()):
+        log.warning("graphshard: %s (in a program loaded from the cache)", fallback)
     for name in ReportDelta.LISTS:
         getattr(report, name).extend(added.get(name, ()))
     for name in ReportDelta.DICTS:
@@ -143,12 +147,13 @@ class StageProgram(_compat.output_code_base()):
     compile that loads it (`loading`)."""
 
     def __init__(self, stage: str, lowered: Callable, run: Callable, *, by_group: dict | None,
-                 backward: fx.GraphModule | None, report: dict[str, Any]):
+                 backward: fx.GraphModule | None, report: dict[str, Any], seconds: float):
         if _compat.HAS_PROGRAM_CACHE:
             super().__init__()
         self.stage, self.lowered, self.by_group, self.backward, self.report = stage, lowered, by_group, backward, report
         self.run = run
         self._boxed_call = True
+        self._time_taken_ns = int(seconds * 1e9)  # the compile a load saves (aot_autograd's cache statistics)
 
     def __call__(self, inputs: list) -> Any:
         return self.run(inputs)
@@ -184,22 +189,15 @@ _LOADING: contextvars.ContextVar[Callable[[StageProgram], None] | None] = contex
     "graphshard_program_loading", default=None)
 
 
-def loading(rebuild: Callable[[StageProgram], None]):
+@contextlib.contextmanager
+def loading(rebuild: Callable[[StageProgram], None]) -> Iterator[None]:
     """Within the context, a `StageProgram` aot_autograd loads is handed to ``rebuild`` (the
     backend's, which puts graphshard's wrappers back and its report in place)."""
-    return _Loading(rebuild)
-
-
-class _Loading:
-    def __init__(self, rebuild: Callable[[StageProgram], None]):
-        self.rebuild, self.token = rebuild, None
-
-    def __enter__(self):
-        self.token = _LOADING.set(self.rebuild)
-        return self
-
-    def __exit__(self, *exc):
-        _LOADING.reset(self.token)
+    token = _LOADING.set(rebuild)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
 
 
 class Outcome:
