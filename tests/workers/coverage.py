@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import sys
 import time
 import traceback
@@ -110,10 +111,13 @@ def run_case(case: str) -> dict:
             ref.config.use_cache = False
     model = copy.deepcopy(ref)
     plan, dp_world, dp_rank = plan_for(arch, strategy, model, world, "nccl" if "nccl" in flags else "auto")
+    # GS_TEST_PROGRAM_CACHE=1 compiles with program_cache=True: the suite run twice on one
+    # TORCHINDUCTOR_CACHE_DIR then checks every loaded program against the single process
+    cached = os.environ.get("GS_TEST_PROGRAM_CACHE") == "1"
     if lower == "whole":
-        graphshard.compile(model, plan, lower="inductor", regional=False)
+        graphshard.compile(model, plan, lower="inductor", regional=False, program_cache=cached)
     else:
-        graphshard.compile(model, plan, lower=lower)
+        graphshard.compile(model, plan, lower=lower, program_cache=cached)
     batches = [hf_archs.batch(arch, step, PER_RANK * dp_world) for step in range(STEPS)]
     mine = [{k: v[dp_rank * PER_RANK:(dp_rank + 1) * PER_RANK] for k, v in b.items()} for b in batches]
     graphs_after_first = None
