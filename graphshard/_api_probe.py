@@ -160,7 +160,7 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._inductor.config[force_disable_caches]", "backend.py (_compat.inductor_fx_graph_cache_enabled)"),
     ("torch._inductor.config[reorder_for_locality]", "backend.py (_INDUCTOR_SETTINGS)"),
     ("torch._inductor.config[reorder_for_peak_memory]", "backend.py (_INDUCTOR_SETTINGS)"),
-    ("torch._inductor.config[compile_threads]", "backend.py (_compile_threads)"),
+    ("torch._inductor.config[compile_threads]", "compile_share.py (compile_threads)"),
     ("torch._inductor.config[cpp.vec_isa_ok]", _ISA, _ISA_GATE),
     ("torch._inductor.config[cpp.simdlen]", _ISA, _ISA_GATE),
     ("torch._inductor.config.is_fbcode", _ISA, _ISA_GATE),

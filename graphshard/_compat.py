@@ -540,6 +540,10 @@ def output_code_base() -> type:
     return OutputCode
 
 
+def is_op_overload(value) -> bool:
+    return isinstance(value, torch._ops.OpOverload)
+
+
 def is_output_code(value) -> bool:
     return HAS_PROGRAM_CACHE and isinstance(value, output_code_base())
 

@@ -40,7 +40,7 @@ def test_shared_compile_claims_work_by_content_and_waits_only_for_claimed_work()
     # first rank that claims it; the other waits for it only until the claimer says it is
     # done, and at most its bound, after which it compiles the work itself. Work nobody
     # else claimed is never waited for: the claim wins at once.
-    from graphshard.compiler.backend import SharedCompile
+    from graphshard.compiler.compile_share import SharedCompile
 
     store = torch.distributed.HashStore()
     first, second = SharedCompile(store, "node0/"), SharedCompile(store, "node0/", wait_s=0.2)

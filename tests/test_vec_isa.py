@@ -52,7 +52,7 @@ _SPLIT = """
 import json, sys, torch
 from torch._inductor.cpu_vec_isa import pick_vec_isa, valid_vec_isa_list
 from graphshard.compiler import inductor_cpu
-from graphshard.compiler.backend import SharedCompile
+from graphshard.compiler.compile_share import SharedCompile
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 store = torch.distributed.TCPStore("127.0.0.1", port, 2, rank == 0, wait_for_workers=True)
 store.set(f"ready{rank}", "1"); store.wait(["ready0", "ready1"])  # start together

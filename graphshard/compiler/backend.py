@@ -18,9 +18,7 @@ Dynamo hands over a graph in torch IR whose sharded parameters are inputs read t
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
-import hashlib
 import itertools
 import logging
 import os
@@ -32,12 +30,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 
 from graphshard import _compat
-from graphshard.compiler import collective_check, grad_sync, inductor_cpu, outline, program_cache, recompute
+from graphshard.compiler import collective_check, compile_share, grad_sync, inductor_cpu, outline, program_cache, recompute
 from graphshard.compiler.aten_trace import trace_to_aten
 from graphshard.compiler.regions import inline_regions
 from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
@@ -448,7 +445,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
     ahead: dict = {}     # the backward's regions, compiled with the forward's
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
     config = ctx.config
-    share = _shared_compile(config.share_compile)
+    share = compile_share.shared_compile(config.share_compile)
     # the program's name on every rank: the model (sharded in the same order everywhere), the code
     # dynamo compiled it from, and which compile of that code it is
     program = collective_check.Program(f"m{ctx.models[0].model_id}" if ctx.models else "graph",
@@ -526,7 +523,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 compiled_fn = _as_fx(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
-                                                   compile_threads=_compile_threads()):
+                                                   compile_threads=compile_share.compile_threads()):
                     compiled_fn, order, counts = lower_regions(
                         g, is_backward=is_backward, share=share, ahead=ahead if stage == "forward" else None,
                         compiled=compiled, batch=config.batch_cpp_kernels)
@@ -541,7 +538,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                     kept = _compat.graph_to_bytes(g)
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                     g = fuse_packed_gathers(g)
-                    compiled_fn = _shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
+                    compiled_fn = compile_share.shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(
                         g, inputs, is_backward, config.batch_cpp_kernels))
                 _record_lowered(compiled_fn, stage, ctx)
             ctx.report.compile_seconds[f"{stage}_lowering"] = time.perf_counter() - start
@@ -645,7 +642,7 @@ def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, sh
     if config.lower == "eager":
         return _as_fx(g, inputs)
     with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config),
-                                       compile_threads=_compile_threads()):
+                                       compile_threads=compile_share.compile_threads()):
         if config.regional and whole_graph_reason(g) is None:
             return lower_regions(g, is_backward=True, share=share, compiled=compiled, batch=config.batch_cpp_kernels,
                                  report_strides=False)[0]
@@ -703,102 +700,6 @@ def _record_lowered(compiled, stage: str, ctx: PassContext) -> None:
     if ctx.config.dump_graphs:
         with open(os.path.join(ctx.config.dump_graphs, f"g{ctx.report.index}_{stage}_inductor.py"), "w") as f:
             f.write(source)
-
-
-def _local_ranks() -> tuple[int, int] | None:
-    """(local rank, local world size) when several ranks of a real process group share this
-    machine (and so its on-disk Inductor cache); None otherwise."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return None
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if local_world == 1:
-        return None
-    return int(os.environ.get("LOCAL_RANK", dist.get_rank())), local_world
-
-
-def _compile_threads() -> int:
-    """Inductor's compile workers per rank: the machine's cores divided between the local
-    ranks, which already compile side by side; Inductor's default (one worker per core in
-    every rank) oversubscribes them. ``TORCHINDUCTOR_COMPILE_THREADS``, when set, wins."""
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
-        return int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    local = _local_ranks()
-    return max(1, cores // (local[1] if local else 1))
-
-
-# How long a rank waits for compile work another local rank claimed before compiling it
-# itself. The claimer does not wait on anything while it compiles, so the bound is only a
-# safety net (a claimer that died or stalls); it is far above one rank's share of a compile.
-CLAIM_WAIT_S = 300.0
-
-
-def _shared_compile(enabled: bool) -> SharedCompile | None:
-    """Compile work shared by the local ranks (they share the on-disk Inductor cache), or None
-    (one rank on this machine, the FX graph cache off, ``share_compile=False``)."""
-    local = _local_ranks() if enabled and _compat.inductor_fx_graph_cache_enabled() else None
-    if local is None:
-        return None
-    node = os.environ.get("GROUP_RANK", "0")  # local ranks share a cache; other machines claim apart
-    return SharedCompile(_compat.default_store(), f"graphshard/compile/{node}/")
-
-
-class SharedCompile:
-    """Claims on compile work in the process group's store, keyed by the work's content.
-
-    A rank compiles what it wins the claim of (``claim``: the first ``store.add`` on the
-    key), says so when its result is in the on-disk cache (``done``), and waits for work
-    another rank claimed (``wait``, bounded by ``CLAIM_WAIT_S``) before loading it from the
-    cache. Nothing here is a collective: a rank waits only for a key another rank has
-    already claimed, so a graph only some ranks compile (a recompile on one rank, a
-    rank-dependent branch) never waits on ranks that do not compile it. A key claimed in an
-    earlier compile of the job is done already, and every rank loads that work from the cache.
-    """
-
-    def __init__(self, store, prefix: str, wait_s: float = CLAIM_WAIT_S):
-        self.store, self.prefix, self.wait_s = store, prefix, wait_s
-
-    def claim(self, digest: str) -> bool:
-        return self.store.add(f"{self.prefix}{digest}/claims", 1) == 1
-
-    def done(self, digest: str) -> None:
-        self.store.set(f"{self.prefix}{digest}/done", b"1")
-
-    def deadline(self) -> float:
-        return time.monotonic() + self.wait_s
-
-    def wait(self, digest: str, deadline: float) -> bool:
-        """Until the claimer of ``digest`` is done or ``deadline`` passes; True when it was done."""
-        key = f"{self.prefix}{digest}/done"
-        if self.store.check([key]):
-            return True
-        left = deadline - time.monotonic()
-        if left >= 0.001:  # a zero timeout is "no timeout" to c10d's stores
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=left))
-                return True
-            except Exception:  # noqa: BLE001 - the store's timeout error type varies by store and version
-                pass
-        log.warning("graphshard: compile work %s claimed by another local rank is not done after %.0f s; "
-                    "compiling it here", digest[:12], self.wait_s)
-        return False
-
-
-def _shared_whole_graph(share: SharedCompile | None, g: fx.GraphModule, inputs, is_backward: bool,
-                        compile_fn: Callable[[], Callable]) -> Callable:
-    """Whole-graph lowering, shared: the rank that claims the graph compiles it first; the
-    others wait for it (bounded) and then compile with its kernels in the on-disk cache."""
-    if share is None:
-        return compile_fn()
-    metas = [(tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs]
-    digest = hashlib.sha256(repr((is_backward, g.code, metas)).encode()).hexdigest()
-    if not share.claim(digest):
-        share.wait(digest, share.deadline())
-        return compile_fn()
-    try:
-        return compile_fn()
-    finally:
-        share.done(digest)
 
 
 _LOWERED_CALL = re.compile(r"^\s*(?:(?P<out>\w+) = )?torch\.ops\."

@@ -120,7 +120,7 @@ def _reported_isas(isa_mod) -> list:
 
 def share_isa_checks(share, inputs) -> dict[str, float]:
     """Runs Inductor's build check (``bool(isa)``, cached per process and on disk) for each vector
-    ISA of this CPU that this rank wins the claim of in ``share`` (`backend.SharedCompile`),
+    ISA of this CPU that this rank wins the claim of in ``share`` (`compile_share.SharedCompile`),
     before Inductor checks them all. Only for work with CPU ``inputs``, before this process's
     first check, on x86, with ``cpp.vec_isa_ok`` unset (otherwise Inductor checks nothing or has
     checked already). Returns the seconds of each ISA this rank checked (explain's note), nothing

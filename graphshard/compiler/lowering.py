@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.compiler import inductor_cpu
+from graphshard.compiler import inductor_cpu, program_cache
 from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
 from graphshard.ops.dense import gather_in_place, pack_into_slot
@@ -472,37 +472,12 @@ class RegionalProgram:
         return "\n".join(self.listing)
 
     def __getstate__(self) -> dict:
-        """The program as data (`program_cache`): each distinct compiled region as Inductor's compiled
-        graph fit to pickle (`_compat.stored_compiled_graph`), each op by its name."""
-        stored: dict[int, Any] = {}  # the layers' regions share a few compiled graphs: each stored once
-
-        def store(fn):
-            if isinstance(fn, torch._ops.OpOverload):
-                return _OpName(fn.name())  # "namespace::op.overload"
-            if not _compat.is_output_code(fn):
-                return fn  # eager regions, the in-place collectives' objects and functions: pickled as they are
-            if id(fn) not in stored:
-                stored[id(fn)] = _StoredRegion(_compat.stored_compiled_graph(fn))
-            return stored[id(fn)]
-
-        state = dict(self.__dict__)
-        state["program"] = [(kind, store(fn), *rest) for kind, fn, *rest in self.program]
-        return state
+        """The program as data (`program_cache.stored_steps`)."""
+        return {**self.__dict__, "program": program_cache.stored_steps(self.program)}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        loaded: dict[int, Callable] = {}
-
-        def load(fn):
-            if isinstance(fn, _OpName):
-                return fn.resolve()
-            if isinstance(fn, _StoredRegion):
-                if id(fn) not in loaded:
-                    loaded[id(fn)] = _compat.load_compiled_graph(fn.graph, self.is_backward)
-                return loaded[id(fn)]
-            return fn
-
-        self.program = [(kind, load(fn), *rest) for kind, fn, *rest in self.program]
+        self.program = program_cache.loaded_steps(self.program, self.is_backward)
 
     def __call__(self, args: list) -> Any:
         env: list[Any] = [None] * self.n_slots
@@ -673,25 +648,6 @@ class EagerRegion:
         self.__init__(state["module"])
 
 
-class _OpName:
-    """An operator in a stored program: by its qualified name (``OpOverload``s do not pickle)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def resolve(self):
-        namespace, rest = self.name.split("::")
-        op, _, overload = rest.partition(".")
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
-
-
-class _StoredRegion:
-    """A compiled region in a stored program: Inductor's compiled graph, loaded when the program is."""
-
-    def __init__(self, graph):
-        self.graph = graph
-
-
 @dataclass
 class RegionWork:
     """One distinct region to compile: its module, example inputs, cost (ops Inductor
@@ -710,7 +666,7 @@ class RegionWork:
 
     def digest(self) -> str:
         """The region's identity across processes (what it computes, on which inputs, in
-        which graph): the name local ranks claim it under (``backend.SharedCompile``)."""
+        which graph): the name local ranks claim it under (``compile_share.SharedCompile``)."""
         return hashlib.sha256(repr((self.is_backward, self.key)).encode()).hexdigest()
 
 
@@ -768,7 +724,7 @@ def region_body(region: Region) -> str | None:
 
 
 class CompileShare(Protocol):
-    """How local ranks split compile work (``backend.SharedCompile``)."""
+    """How local ranks split compile work (``compile_share.SharedCompile``)."""
 
     def claim(self, digest: str) -> bool: ...
     def done(self, digest: str) -> None: ...

@@ -29,6 +29,7 @@ import re
 import time
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.fx as fx
 
 from graphshard import _compat
@@ -183,6 +184,59 @@ class StageProgram(_compat.output_code_base()):
         if isinstance(self.backward, bytes):
             self.backward = _compat.graph_from_bytes(self.backward)
         return self.backward
+
+
+def stored_steps(program: list[tuple]) -> list[tuple]:
+    """A `lowering.RegionalProgram`'s steps as data: each distinct compiled region as Inductor's
+    compiled graph fit to pickle (`_compat.stored_compiled_graph`), each op by its name; eager
+    regions, the in-place collectives' objects and plain functions pickle as they are."""
+    stored: dict[int, _StoredRegion] = {}  # the layers' regions share a few compiled graphs: each stored once
+
+    def store(fn):
+        if _compat.is_op_overload(fn):
+            return _OpName(fn.name())  # "namespace::op.overload"
+        if not _compat.is_output_code(fn):
+            return fn
+        if id(fn) not in stored:
+            stored[id(fn)] = _StoredRegion(_compat.stored_compiled_graph(fn))
+        return stored[id(fn)]
+
+    return [(kind, store(fn), *rest) for kind, fn, *rest in program]
+
+
+def loaded_steps(program: list[tuple], is_backward: bool) -> list[tuple]:
+    """`stored_steps`' steps runnable again: each compiled region loaded once (`_compat.load_compiled_graph`)."""
+    loaded: dict[int, Callable] = {}
+
+    def load(fn):
+        if isinstance(fn, _OpName):
+            return fn.resolve()
+        if isinstance(fn, _StoredRegion):
+            if id(fn) not in loaded:
+                loaded[id(fn)] = _compat.load_compiled_graph(fn.graph, is_backward)
+            return loaded[id(fn)]
+        return fn
+
+    return [(kind, load(fn), *rest) for kind, fn, *rest in program]
+
+
+class _OpName:
+    """An operator in a stored program, by its qualified name (``OpOverload``s do not pickle)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def resolve(self):
+        namespace, rest = self.name.split("::")
+        op, _, overload = rest.partition(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+class _StoredRegion:
+    """A compiled region in a stored program: Inductor's compiled graph, loaded with the program."""
+
+    def __init__(self, graph):
+        self.graph = graph
 
 
 _LOADING: contextvars.ContextVar[Callable[[StageProgram], None] | None] = contextvars.ContextVar(
