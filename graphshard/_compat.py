@@ -639,11 +639,14 @@ def load_whole_graph(stored: Any, example_inputs, is_backward: bool) -> Callable
     return graph
 
 
-def graph_to_bytes(gm: torch.fx.GraphModule) -> bytes:
-    """``gm`` with its nodes' metadata (fake values included), as ``GraphPickler`` stores a graph."""
+def graph_to_bytes(gm: torch.fx.GraphModule, meta_keys: frozenset[str]) -> bytes:
+    """``gm`` as ``GraphPickler`` stores a graph, with the node metadata under ``meta_keys`` (fake
+    values included). Other keys may hold what does not pickle (module stacks name the classes of
+    modules graphshard or torch's wrappers subclassed)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    return GraphPickler.dumps(gm, Options(ops_filter=None))  # graphshard's and c10d's ops included
+    # graphshard's and c10d's ops included
+    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=meta_keys.__contains__))
 
 
 def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:

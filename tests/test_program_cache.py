@@ -2,7 +2,7 @@
 
 Two jobs of 2 gloo ranks on one Inductor cache directory (tests/workers/program_cache.py): the
 first compiles and stores each program (regional FSDP with ``no_sync``, FSDP lowered whole, tensor
-parallelism), the second loads them. Both must match the single process, and the second must train
+parallelism, FSDP with torch's activation checkpointing), the second loads them. Both must match the single process, and the second must train
 exactly as the first. The key's own terms are checked without a process group.
 """
 
@@ -20,7 +20,7 @@ from graphshard.compiler import program_cache
 from graphshard.compiler.explain import GraphReport
 from graphshard.config import CompileConfig
 
-CASES = ["fsdp", "whole", "tp"]
+CASES = ["fsdp", "whole", "tp", "ac"]
 TOL = 1e-5
 
 needs_cache = pytest.mark.skipif(not _compat.HAS_PROGRAM_CACHE, reason="torch < 2.13 cannot bundle graphshard's programs")
@@ -69,9 +69,9 @@ def test_the_loaded_program_trains_exactly_as_the_stored_one(runs, case):
 
 @needs_cache
 def test_no_sync_programs_are_built_from_the_stored_backward(runs):
-    # the fsdp and whole cases train their second step under no_sync: the loaded program built
+    # the FSDP cases train their second step under no_sync: the loaded program built
     # its accumulate and flush programs from the backward graph stored with it, and matched
-    for case in ("fsdp", "whole"):
+    for case in ("fsdp", "whole", "ac"):
         assert any(n.startswith("no_sync:") for n in runs[1][case]["notes"])
 
 

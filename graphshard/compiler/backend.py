@@ -535,7 +535,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             else:
                 if use_cache and is_backward and partitioned and _grad_sync_roots(g, ctx):
                     # no_sync's source as partitioned: Inductor's lowering of a whole graph leaves it unpicklable
-                    kept = _compat.graph_to_bytes(g)
+                    kept = _compat.graph_to_bytes(g, program_cache.BACKWARD_META)
                 with _compat.inductor_config_patch(**_INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                     g = fuse_packed_gathers(g)
                     compiled_fn = compile_share.shared_whole_graph(share, g, inputs, is_backward, lambda: _whole_graph_compile(

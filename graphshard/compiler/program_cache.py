@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.compiler.explain import GraphReport
+from graphshard.compiler.outline import BODY
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,10 @@ _UNKEYED_META = frozenset({"val", "tensor_meta", "example_value", "eager_input_v
                            "seq_nr", "source_fn_stack", "nn_module_stack", "fwd_nn_module_stack",
                            "fwd_source_fn_stack", "original_aten", "torch_fn"})
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
+
+BACKWARD_META = frozenset({"val", "tensor_meta", "stack_trace", "original_aten", "seq_nr", BODY})
+"""The node metadata a stored backward graph keeps: what deriving ``no_sync``'s programs from it and
+lowering them read (fake values, source lines, the trace-once body for explain)."""
 
 
 def supported(config) -> str | None:
@@ -165,7 +170,7 @@ class StageProgram(_compat.output_code_base()):
         if _compat.is_output_code(self.lowered):
             self.lowered = _compat.stored_compiled_graph(self.lowered)
         if isinstance(self.backward, fx.GraphModule):
-            self.backward = _compat.graph_to_bytes(self.backward)
+            self.backward = _compat.graph_to_bytes(self.backward, BACKWARD_META)
 
     def post_compile(self, example_inputs, constants, graph_kwargs) -> None:
         """On a load: the program's regions are loaded (unpickling did it); reports its output

@@ -9,18 +9,23 @@ each program, the second loads it, and both must match the reference, and each o
 - ``fsdp``: a 4-layer transformer, every layer FULL_SHARD (trace once outlines the repeated
   blocks), regional lowering;
 - ``whole``: the same, each graph lowered whole by Inductor (``regional=False``);
-- ``tp``: an MLP with tensor parallelism (column then row parallel: the all-reduce in place).
+- ``tp``: an MLP with tensor parallelism (column then row parallel: the all-reduce in place);
+- ``ac``: the transformer with torch's ``apply_activation_checkpointing`` on its blocks (the
+  reference runs the same checkpointing): the stored backward recomputes what the checkpoint says.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
@@ -28,7 +33,7 @@ import graphshard
 from _compare import scalar_err, tensor_err, worst
 from _runner import run_cases
 from graphshard._compat import autograd_cache_counts
-from graphshard.testing.models import MLP, Transformer, TransformerConfig, lm_loss, token_batch
+from graphshard.testing.models import MLP, Block, Transformer, TransformerConfig, lm_loss, token_batch
 
 CONFIG = TransformerConfig(vocab_size=96, dim=32, n_layers=4, n_heads=4, max_seq_len=16)
 STEPS = 4
@@ -44,7 +49,11 @@ def build(case: str):
                                       "fc2": graphshard.ShardParams("tp", weight=Shard(1))})
         return MLP(10, 32, 7), plan, 1
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    return Transformer(CONFIG), graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(),
+    model = Transformer(CONFIG)
+    if case == "ac":
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block), checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return model, graphshard.Plan(mesh, {"layers.*": graphshard.FullyShard(),
                                                        "": graphshard.FullyShard()}), world
 
 
