@@ -97,8 +97,8 @@ def _graph() -> fx.GraphModule:
     return gm
 
 
-def _tag(gm, config=CompileConfig(), units=(None,), groups=None):
-    return program_cache.key_tag(gm, config, list(units), groups or {"dp": "0"}, {})
+def _tag(gm, config=CompileConfig(), units=(None,), groups=None, rank=(0, 2)):
+    return program_cache.key_tag(gm, config, list(units), groups or {"dp": "0"}, {}, rank)
 
 
 def test_the_key_is_stable_and_leaves_out_what_aot_autograd_keys():
@@ -106,7 +106,7 @@ def test_the_key_is_stable_and_leaves_out_what_aot_autograd_keys():
     assert _tag(a) == _tag(b)  # fresh objects in "val", each with its own address
 
 
-@pytest.mark.parametrize("change", ["recompute tag", "trace-once mark", "config", "unit", "process group"])
+@pytest.mark.parametrize("change", ["recompute tag", "trace-once mark", "config", "unit", "process group", "rank"])
 def test_the_key_covers_what_graphshard_reads_and_aot_autograd_does_not(change):
     gm = _graph()
     base = _tag(gm)
@@ -121,8 +121,10 @@ def test_the_key_covers_what_graphshard_reads_and_aot_autograd_does_not(change):
         assert _tag(gm, dataclasses.replace(CompileConfig(), limit_all_gathers=3)) != base
     elif change == "unit":
         assert _tag(gm, units=("layers.0",)) != base
-    else:
+    elif change == "process group":
         assert _tag(gm, groups={"dp": "1"}) != base
+    else:  # ranks with equal forward graphs may differentiate them into different backwards (gloo's all-to-all)
+        assert _tag(gm, rank=(1, 2)) != base
 
 
 def test_a_report_delta_carries_what_a_stage_added():

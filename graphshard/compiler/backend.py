@@ -573,7 +573,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
     if use_cache:
         fw_compiler = _compat.serializable_compiler(program_cache.StageProgram, fw_compiler)
         bw_compiler = _compat.serializable_compiler(program_cache.StageProgram, bw_compiler)
-        tag = program_cache.key_tag(gm, config, ctx.input_units, ctx.group_axes, ctx.model_parallel)
+        tag = program_cache.key_tag(gm, config, ctx.input_units, ctx.group_axes, ctx.model_parallel,
+                                    _process_rank())
         settings = _compat.program_cache_settings(f"{user_tag}/{tag}" if user_tag else tag,
                                                   program_cache.CACHEABLE_FUNCTIONS)
         outcome = program_cache.Outcome()
@@ -617,6 +618,13 @@ def _no_dropped_gradients():
                 f"gradient: {str(e).split('. ')[0]}. graphshard traced below an autograd wrapper that holds the "
                 "op's gradient; register the op's derivative (torch.library.register_autograd) or report it"
             ) from e
+
+
+def _process_rank() -> tuple[int, int] | None:
+    """(rank, world size) of this process's default group, if any."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 def _grad_sync_roots(bw: fx.GraphModule, ctx: PassContext) -> list[fx.Node]:

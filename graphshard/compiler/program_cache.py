@@ -87,13 +87,16 @@ def source_digest() -> str:
 
 
 def key_tag(gm: fx.GraphModule, config, input_units: list, group_axes: dict[str, str],
-            model_parallel: dict) -> str:
+            model_parallel: dict, rank: tuple[int, int] | None) -> str:
     """What aot_autograd's key leaves out of a program graphshard compiles: each node's metadata
     (recompute tags, trace-once marks, placements: ``GraphModule`` pickles without it), the
     compile config, the unit of each input and the process group of each axis (the scheduling and
-    ``no_sync`` read them), graphshard's source and this module's `VERSION`."""
+    ``no_sync`` read them), the process's (rank, world size), graphshard's source and this module's
+    `VERSION`. The rank, because ranks whose forward graphs are the same may differentiate them into
+    different backwards: gloo's reduce-scatter is an all-to-all whose split sizes are the rank's
+    (an HF Llama under FSDP: rank 1 loaded rank 0's backward, and the collective check stopped it)."""
     h = hashlib.sha256()
-    h.update(f"{VERSION}|{source_digest()}|{config!r}|{input_units!r}|{sorted(group_axes.items())!r}|".encode())
+    h.update(f"{VERSION}|{source_digest()}|{config!r}|{input_units!r}|{sorted(group_axes.items())!r}|{rank}|".encode())
     h.update(repr(sorted((name, axis.group_name) for name, axis in model_parallel.items())).encode())
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):

@@ -151,6 +151,7 @@ def run_case(case: str) -> dict:
             "graph_break_reasons": sorted({r.split("\n")[0][:200] for r in counters["graph_break"]}),
             "fallbacks": fallbacks, "eager_units": eager, "seconds": round(seconds, 1),
             "trace_once": [n for r in model._graphshard.explain for n in r.notes if n.startswith("trace once")],
+            "program_cache": [n for r in model._graphshard.explain for n in r.notes if n.startswith("program cache")],
             "dynamo_regions": model._graphshard.dynamo_regions.lines if model._graphshard.dynamo_regions else [],
             "dynamo_bodies": [list(r.dynamo_bodies) for r in model._graphshard.explain]}
 
