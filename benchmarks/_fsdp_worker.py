@@ -26,8 +26,10 @@ Variants (see `VARIANTS`):
 * ``graphshard_flat_trace`` ``graphshard`` with ``trace_once=False``: every block traced, differentiated and
                             partitioned in line (the default traces each distinct repeated block once,
                             ``graphshard.compiler.outline``).
-* ``graphshard_cached``     ``graphshard`` with ``program_cache=True``: the lowered programs kept in torch's
-                            AOTAutogradCache, so a second process (``--warm-start``) loads them.
+* ``graphshard_uncached``   ``graphshard`` with ``program_cache=False``: a second process (``--warm-start``)
+                            differentiates, partitions and lowers again (Inductor's kernels still
+                            come from its cache); by default it loads the lowered programs from
+                            torch's AOTAutogradCache.
 * ``graphshard_post``       the same with ``backward_prefetch="post"``: a unit's backward all-gather issued after
                             the next unit's gradient computation, so under AC after its recomputation too.
 * ``graphshard_nccl``       the same with ``Plan(collectives="nccl")``: on gloo, the collectives a GPU run issues
@@ -281,7 +283,7 @@ VARIANTS: dict[str, Callable[..., StepFn]] = {
     "graphshard_post": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(backward_prefetch="post")),
     "graphshard_nccl": lambda m, mesh, lr: build_graphshard(m, mesh, lr, plan_kwargs=dict(collectives="nccl")),
     "graphshard_flat_trace": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(trace_once=False)),
-    "graphshard_cached": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(program_cache=True)),
+    "graphshard_uncached": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(program_cache=False)),
     "graphshard_fast": lambda m, mesh, lr: build_graphshard(m, mesh, lr, dict(batch_cpp_kernels=True, fast_isa_check=True)),
     "graphshard_comm": build_graphshard_comm,
     "graphshard_auto": build_graphshard_auto,

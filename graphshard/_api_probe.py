@@ -192,6 +192,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._inductor.config[triton.cudagraphs]", _CACHE, _CACHE_GATE),
     ("torch.fx._graph_pickler.GraphPickler", _CACHE, _CACHE_GATE),
     ("torch.fx._graph_pickler.Options(ops_filter=)", _CACHE, _CACHE_GATE),
+    ("torch.fx._graph_pickler._GraphUnpickler", _CACHE, _CACHE_GATE),
+    ("torch.fx._graph_pickler._UnpickleState", _CACHE, _CACHE_GATE),
     # torch.distributed, DTensor, FSDP1
     ("torch.distributed.distributed_c10d._get_default_store",
      "backend.py (_compat.default_store: compile sharing), collective_check.py"),

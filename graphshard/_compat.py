@@ -639,19 +639,49 @@ def load_whole_graph(stored: Any, example_inputs, is_backward: bool) -> Callable
     return graph
 
 
+# GraphPickler's own dumps/loads register ``slice`` as a pytree node for the call and remove it
+# after: that changes the pytree registry's dict version, which dynamo guards on in any frame whose
+# trace flattened a pytree (HF's checkpointed layers under invoke_subgraph), so each such frame
+# compiled again on its next call. graphshard pickles with the Pickler itself, which maps node
+# arguments without that registration: right for a graph with no slice among its arguments
+# (graphs after aot_autograd's trace have none); a graph with one takes torch's path.
+_PLAIN, _WITH_SLICES = b"p", b"s"
+
+
 def graph_to_bytes(gm: torch.fx.GraphModule, meta_keys: frozenset[str]) -> bytes:
     """``gm`` as ``GraphPickler`` stores a graph, with the node metadata under ``meta_keys`` (fake
-    values included). Other keys may hold what does not pickle (module stacks name the classes of
-    modules graphshard or torch's wrappers subclassed)."""
+    values included), leaving torch's pytree registry as it was (above). Other keys may hold what
+    does not pickle (module stacks name the classes of modules graphshard or torch's wrappers
+    subclassed)."""
+    import io
+
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    # graphshard's and c10d's ops included
-    return GraphPickler.dumps(gm, Options(ops_filter=None, node_metadata_key_filter=meta_keys.__contains__))
+    options = Options(ops_filter=None, node_metadata_key_filter=meta_keys.__contains__)  # graphshard's and c10d's ops included
+    if any(_holds_slice((n.args, n.kwargs)) for n in gm.graph.nodes):
+        return _WITH_SLICES + GraphPickler.dumps(gm, options)
+    with io.BytesIO() as stream:
+        GraphPickler(stream, options).dump(gm)
+        return _PLAIN + stream.getvalue()
+
+
+def _holds_slice(a) -> bool:
+    if isinstance(a, (tuple, list)):
+        return any(_holds_slice(x) for x in a)
+    if isinstance(a, dict):
+        return any(_holds_slice(x) for x in a.values())
+    return isinstance(a, slice)
 
 
 def graph_from_bytes(data: bytes) -> torch.fx.GraphModule:
     """A graph `graph_to_bytes` stored, its fake values in a fake mode of their own."""
-    from torch.fx._graph_pickler import GraphPickler
+    import io
+
+    from torch.fx._graph_pickler import GraphPickler, _GraphUnpickler, _UnpickleState
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return GraphPickler.loads(data, FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv()))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    if data[:1] == _WITH_SLICES:
+        return GraphPickler.loads(data[1:], fake_mode)
+    with io.BytesIO(data[1:]) as stream:
+        return _GraphUnpickler(stream, _UnpickleState(fake_mode)).load()

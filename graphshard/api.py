@@ -32,7 +32,7 @@ def compile(
     share_compile: bool = True,
     check_collectives: bool = True,
     trace_once: bool = True,
-    program_cache: bool = False,
+    program_cache: bool = True,
 ) -> nn.Module:
     """Shards ``model`` by ``plan`` and compiles it with graphshard; returns the same module.
 

@@ -73,13 +73,14 @@ class CompileConfig:
     aot_autograd and put back in place after the partition (``graphshard.compiler.outline``),
     so that part of the first step grows with the distinct units, not with depth. False: every
     unit traced in line (torch < 2.13 always does that; ``explain`` says which applied)."""
-    program_cache: bool = False
+    program_cache: bool = True
     """Keep each compiled program in torch's on-disk AOTAutogradCache (torch >= 2.13, Inductor
     lowering): a later process with the same model, plan, inputs and settings loads the lowered
     forward and backward programs instead of differentiating, partitioning, scheduling and
     lowering again (``graphshard.compiler.program_cache``; dynamo, the trace to ATen and the
     pre-autograd passes still run, since the key is taken of their result). ``explain`` says
-    whether a program was loaded, stored or why not. Off by default while it is new."""
+    whether a program was loaded, stored or why not. False: compile every program afresh (what
+    torch < 2.13, ``lower="eager"`` and CUDA graphs always do)."""
     dump_graphs: str | None = None
     """Directory to write every pass's graph before and after, with the op-count diff."""
 

@@ -144,7 +144,9 @@ def test_trace_once_shared_the_repeated_blocks(two_rank_results, case):
     lines = two_rank_results[case]["distinct_units"]
     # dynamo traced one block and stamped its body out for the other three (compiler.regions)
     assert lines[1] == "dynamo: 4 blocks from 1 traced body, traced to ATen once", lines
-    assert lines[2].startswith("layers.0, reused by 4 units (layers.0, layers.1, layers.2, layers.3): traced once in "), lines
+    # (an earlier run on the same Inductor cache may have stored the program: then it was loaded)
+    assert lines[2].startswith(tuple(f"layers.0, reused by 4 units (layers.0, layers.1, layers.2, layers.3): {done}"
+                                     for done in ("traced once in ", "loaded with the program"))), lines
     assert lines[-1].startswith("in line (the units on their own"), lines
     if case.endswith(":inductor"):
         lowered = re.findall(r"(forward|backward) (\d+) regions from (\d+) compiled", lines[2])

@@ -20,7 +20,8 @@ from graphshard.compiler import program_cache
 from graphshard.compiler.explain import GraphReport
 from graphshard.config import CompileConfig
 
-CASES = ["fsdp", "whole", "tp", "ac"]
+STORED = ["fsdp", "whole", "tp", "ac"]
+CASES = [*STORED, "off"]  # off: fsdp with program_cache=False, after fsdp stored the same program
 TOL = 1e-5
 
 needs_cache = pytest.mark.skipif(not _compat.HAS_PROGRAM_CACHE, reason="torch < 2.13 cannot bundle graphshard's programs")
@@ -35,7 +36,7 @@ def runs(tmp_path_factory):
 
 
 @needs_cache
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", STORED)
 def test_the_first_process_stores_the_program(runs, case):
     first = runs[0][case]
     assert first["cache"] == {"hit": 0, "miss": 1, "bypass": 0, "saved": 1}, first["cache"]
@@ -43,7 +44,7 @@ def test_the_first_process_stores_the_program(runs, case):
 
 
 @needs_cache
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", STORED)
 def test_a_second_process_loads_it_and_compiles_nothing_after_the_pre_autograd_passes(runs, case):
     second = runs[1][case]
     assert second["cache"] == {"hit": 1, "miss": 0, "bypass": 0, "saved": 0}, second["cache"]
@@ -59,8 +60,20 @@ def test_both_processes_match_the_single_process(runs, case):
         assert run[case]["loss_err"] <= TOL and run[case]["param_err"] <= TOL, run[case]
 
 
+def test_the_cache_is_on_by_default_and_off_compiles_afresh(runs):
+    # the default stores and loads (the tests above); program_cache=False, on a key the fsdp
+    # case has stored, neither loads nor stores: both processes run aot_autograd and lower
+    assert CompileConfig().program_cache is True
+    for run in runs:
+        off = run["off"]
+        assert off["cache"]["hit"] == 0 and off["cache"]["saved"] == 0, off["cache"]
+        assert not any(n.startswith("program cache") for n in off["notes"]), off["notes"]
+        assert {"aot_autograd", "forward_lowering", "backward_lowering"} <= set(off["phases"]), off["phases"]
+    assert runs[1]["off"]["losses"] == runs[1]["fsdp"]["losses"]  # the same program, compiled or loaded
+
+
 @needs_cache
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", STORED)
 def test_the_loaded_program_trains_exactly_as_the_stored_one(runs, case):
     first, second = runs[0][case], runs[1][case]
     assert second["losses"] == first["losses"]
@@ -140,9 +153,42 @@ def test_a_report_delta_carries_what_a_stage_added():
     assert delta.take() == {**{k: [] for k in delta.LISTS}, **{k: {} for k in delta.DICTS}}
 
 
+def test_a_report_delta_leaves_out_what_only_this_process_did():
+    # the ISA check split is this process's own work: a process that loads the program checks nothing
+    from graphshard.compiler.inductor_cpu import ISA_SPLIT_NOTE
+
+    report = GraphReport(index=0)
+    delta = program_cache.ReportDelta(report)
+    report.notes += [ISA_SPLIT_NOTE + "avx512 1.20s", "random ops: 2"]
+    assert delta.take()["notes"] == ["random ops: 2"]
+
+
 def test_unsupported_settings_are_named():
     assert "compiles nothing" in program_cache.supported(CompileConfig(lower="eager"))
     if _compat.HAS_PROGRAM_CACHE:
         assert program_cache.supported(CompileConfig()) is None
     else:
         assert "2.13" in program_cache.supported(CompileConfig())
+
+
+def test_storing_and_loading_a_graph_leaves_compiled_frames_alone():
+    # the stored backward's pickling once registered `slice` with torch's pytree and removed it
+    # (GraphPickler's dumps and loads), which changed the registry that dynamo guards on: an HF
+    # checkpointed model's frame compiled again on the next step (the model-coverage suite's AC cases)
+    import torch.utils._pytree as pytree
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from graphshard._compat import dynamo_counters
+
+    @torch.compile(backend="eager")
+    def flattens(x):
+        leaves, _ = pytree.tree_flatten({"a": x, "b": (x * 2,)})
+        return leaves[0] + leaves[1]
+
+    flattens(torch.randn(3))
+    dynamo_counters().clear()
+    gm = make_fx(lambda x: torch.relu(x).sum(0), tracing_mode="fake")(torch.randn(4, 3))
+    loaded = _compat.graph_from_bytes(_compat.graph_to_bytes(gm, program_cache.BACKWARD_META))
+    assert [n.target for n in loaded.graph.nodes] == [n.target for n in gm.graph.nodes]
+    flattens(torch.randn(3))
+    assert dynamo_counters()["stats"]["unique_graphs"] == 0, dict(dynamo_counters()["stats"])

@@ -517,8 +517,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             if config.lower == "inductor" and share is not None and not config.fast_isa_check:
                 # before the first C++ kernel the local ranks split Inductor's ISA check (the shortcut checks one)
                 if isa_share := inductor_cpu.share_isa_checks(share, _tensors(inputs)):
-                    ctx.report.notes.append("Inductor's vector-ISA build check split between the local ranks, this "
-                                            "rank's share: " + inductor_cpu.describe_isa_checks(isa_share))
+                    ctx.report.notes.append(inductor_cpu.ISA_SPLIT_NOTE + inductor_cpu.describe_isa_checks(isa_share))
             if config.lower == "eager":
                 compiled_fn = _as_fx(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):

@@ -150,6 +150,11 @@ def share_isa_checks(share, inputs) -> dict[str, float]:
     return seconds
 
 
+ISA_SPLIT_NOTE = "Inductor's vector-ISA build check split between the local ranks, this rank's share: "
+"""explain's note for this process's share of the check: a program loaded from the cache does not
+carry it (`program_cache.ReportDelta`), since the process that loads it checks nothing."""
+
+
 def describe_isa_checks(seconds: dict[str, float]) -> str:
     return ", ".join(f"{isa} {s:.2f}s" for isa, s in seconds.items())
 

@@ -34,6 +34,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.compiler.explain import GraphReport
+from graphshard.compiler.inductor_cpu import ISA_SPLIT_NOTE
 from graphshard.compiler.outline import BODY
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class ReportDelta:
     report of the compile that loads it. Timings are the compile's own and are not kept."""
 
     LISTS = ("collectives", "fallbacks", "notes")
+    PER_PROCESS = (ISA_SPLIT_NOTE,)  # notes on what this process did, not the program: not kept
     DICTS = ("order", "schedule", "lowered_order", "regions", "recompute")
 
     def __init__(self, report: GraphReport):
@@ -125,6 +127,7 @@ class ReportDelta:
     def take(self) -> dict[str, Any]:
         """What was added since the last mark; marks again."""
         added: dict[str, Any] = {name: list(getattr(self.report, name)[n:]) for name, n in self.lengths.items()}
+        added["notes"] = [n for n in added["notes"] if not n.startswith(self.PER_PROCESS)]
         for name, before in self.dicts.items():
             added[name] = {k: v for k, v in getattr(self.report, name).items() if before.get(k) is not v}
         self.mark()

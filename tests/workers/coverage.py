@@ -111,9 +111,9 @@ def run_case(case: str) -> dict:
             ref.config.use_cache = False
     model = copy.deepcopy(ref)
     plan, dp_world, dp_rank = plan_for(arch, strategy, model, world, "nccl" if "nccl" in flags else "auto")
-    # GS_TEST_PROGRAM_CACHE=1 compiles with program_cache=True: the suite run twice on one
-    # TORCHINDUCTOR_CACHE_DIR then checks every loaded program against the single process
-    cached = os.environ.get("GS_TEST_PROGRAM_CACHE") == "1"
+    # The program cache is on (the default): the suite run twice on one TORCHINDUCTOR_CACHE_DIR
+    # checks every loaded program against the single process. GS_TEST_PROGRAM_CACHE=0 turns it off.
+    cached = os.environ.get("GS_TEST_PROGRAM_CACHE", "1") != "0"
     if lower == "whole":
         graphshard.compile(model, plan, lower="inductor", regional=False, program_cache=cached)
     else:

@@ -1,6 +1,6 @@
 """Programs kept in torch's AOTAutogradCache: ``torchrun --nproc-per-node 2 tests/workers/program_cache.py CASE ...``.
 
-Each case compiles with ``program_cache=True`` and trains 4 SGD steps, the second inside
+Each case compiles with the program cache on (the default) and trains 4 SGD steps, the second inside
 ``graphshard.no_sync`` (the third then reduces both micro-batches' gradients), against a
 single-process run of the same model on the whole batch (which accumulates the same way). The
 test runs the job twice on one Inductor cache directory: the first process compiles and stores
@@ -11,7 +11,9 @@ each program, the second loads it, and both must match the reference, and each o
 - ``whole``: the same, each graph lowered whole by Inductor (``regional=False``);
 - ``tp``: an MLP with tensor parallelism (column then row parallel: the all-reduce in place);
 - ``ac``: the transformer with torch's ``apply_activation_checkpointing`` on its blocks (the
-  reference runs the same checkpointing): the stored backward recomputes what the checkpoint says.
+  reference runs the same checkpointing): the stored backward recomputes what the checkpoint says;
+- ``off``: ``fsdp`` with ``program_cache=False``, after ``fsdp`` stored the same program: it is
+  neither loaded nor stored, and compiled again.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run(case: str) -> dict:
     rank = dist.get_rank()
     ref, plan, dp_world = build(case)
     model = copy.deepcopy(ref)
-    graphshard.compile(model, plan, program_cache=True, regional=case != "whole")
+    graphshard.compile(model, plan, regional=case != "whole", **({"program_cache": False} if case == "off" else {}))
     before = autograd_cache_counts()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
