@@ -178,7 +178,9 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
 
     with mock.patch.object(inductor_cpu._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
         model = stack()
-        graphshard.compile(model, fsdp_plan(), lower="inductor", batch_cpp_kernels=True)
+        # program_cache=False: a program kept in the cache lowers its backward inside the forward's
+        # compile, under dynamo's lock, which the other thread's compile would wait for
+        graphshard.compile(model, fsdp_plan(), lower="inductor", batch_cpp_kernels=True, program_cache=False)
         model(torch.randn(4, 8)).sum().backward()
     assert other["hooks"] and other["ok"], other
     assert added and other["thread"] not in added
