@@ -10,6 +10,7 @@ table's local piece as a view of that storage (the state dict reads and writes t
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,9 @@ from graphshard.sparse.input_dist import unpack
 from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
 from graphshard.sparse.program import LocalPlan, group_state, local_plan, permute_features, permute_rows, sharded_lookup
 from graphshard.sparse.sequence import row_starts, sequence_lookup, width_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 _ids = itertools.count()
 
@@ -81,6 +85,7 @@ class SparseCollection:
         self.dp_params = dp_params
         self.tbes = nn.ModuleDict()
         self.pieces: dict[str, list[tuple[TableShard, str, int]]] = {}  # table -> (shard, tbe name, table index)
+        self.table_meshes: dict[tuple[int, ...], DeviceMesh] = {}  # the state dict's meshes by global ranks (state.py)
         rank = layout.rank
         twrw_here = [self.plan.twrw_features[i][0] for i in (self.plan.twrw_by_host[rank // layout.local_world]
                                                              if self.plan.twrw_features else [])]

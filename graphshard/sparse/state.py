@@ -14,8 +14,6 @@ checkpoint reloads under another plan or world size.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,9 +22,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from graphshard import _compat
 
 
-@functools.lru_cache(maxsize=None)
-def _mesh(device_type: str, ranks: tuple[int, ...]) -> DeviceMesh:
-    return DeviceMesh(device_type, list(ranks))
+def _mesh(coll, ranks: tuple[int, ...]) -> DeviceMesh:
+    """The collection's mesh of ``ranks`` (global), created on first use and kept with the collection:
+    its process groups live as long as the sharded model that reads them, not the process."""
+    mesh = coll.table_meshes.get(ranks)
+    if mesh is None:
+        mesh = coll.table_meshes[ranks] = DeviceMesh(coll.layout.device, list(ranks))
+    return mesh
 
 
 def _meshes(coll):
@@ -62,12 +64,11 @@ def _table_mesh(coll, ranks) -> DeviceMesh:
     group along the axis has its own such mesh; each rank creates all of them, in the same order
     (creating a mesh creates process groups, which every rank must do together), and uses its own."""
     groups = coll.layout.all_groups
-    device = coll.layout.device
     if groups is None:
-        return _mesh(device, _global(coll, ranks))
+        return _mesh(coll, _global(coll, ranks))
     mine = None
     for g in groups:
-        mesh = _mesh(device, tuple(g[r] for r in ranks))
+        mesh = _mesh(coll, tuple(g[r] for r in ranks))
         if tuple(g) == tuple(coll.layout.global_ranks):
             mine = mesh
     return mine
