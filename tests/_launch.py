@@ -24,7 +24,10 @@ def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900,
     printed (however the job ended) and the process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={_free_port()}", os.path.join(HERE, "workers", worker), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", **(env or {})}
+    # faulthandler: a rank that dies of a signal (an abort at exit, a segfault) prints every thread's
+    # Python stack into the output the failing test shows
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     return results, proc
