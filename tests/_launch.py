@@ -28,7 +28,18 @@ def launch(worker: str, args: list[str], nproc: int = 2, timeout: int = 900,
     # Python stack into the output the failing test shows
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1",
            **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as job:
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # what the job printed before it is stopped still counts
+            job.terminate()  # torchrun stops its ranks (each in a session of its own) on SIGTERM
+            try:
+                out, err = job.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                job.kill()
+                out, err = job.communicate()
+            err += f"\nTimeoutError: the job ran past its {timeout} s limit and was stopped\n"
+    proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     results = [json.loads(l[len("RESULT "):]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     return results, proc
 

@@ -1,4 +1,5 @@
-"""A multi-rank test job whose ranks disagree fails in seconds to minutes, not at the launcher's limit."""
+"""A multi-rank test job whose ranks disagree fails in seconds to minutes, not at the launcher's limit;
+a job past that limit still reports the cases it finished."""
 
 from __future__ import annotations
 
@@ -25,3 +26,10 @@ def test_a_case_that_takes_its_job_down_fails_alone():
     assert results["ok:a"]["sum"] == results["ok:c"]["sum"] == 2.0  # the job was launched again for ok:c
     with pytest.raises(AssertionError, match=r"raise:b took its job down: .*case raise:b raised"):
         results["raise:b"]
+
+
+def test_a_job_past_its_limit_keeps_what_it_printed_and_fails_the_case_it_was_in():
+    results = run_cases("fails.py", ["ok:a", "sleep:b", "ok:c"], nproc=2, timeout=30)
+    assert results["ok:a"]["sum"] == results["ok:c"]["sum"] == 2.0  # printed before the limit; launched again
+    with pytest.raises(AssertionError, match=r"sleep:b took its job down: TimeoutError: the job ran past its 30 s limit"):
+        results["sleep:b"]

@@ -77,9 +77,10 @@ def coverage_results(request):
     cases = selected(request.config)
     two = [c for c in cases if not c.split(":")[1] == "fsdp_tp"]
     four = [c for c in cases if c.split(":")[1] == "fsdp_tp"]
-    # a case that takes its job down fails alone (`_launch.run_cases`)
-    results = {**run_cases("coverage.py", two, nproc=2, timeout=3600),
-               **run_cases("coverage.py", four, nproc=4, timeout=3600)}
+    # a case that takes its job down fails alone (`_launch.run_cases`); a job's limit is a backstop
+    # against a hang (the worker's collectives time out in 10 min), generous for a cold full run
+    results = {**run_cases("coverage.py", two, nproc=2, timeout=max(3600, 30 * len(two))),
+               **run_cases("coverage.py", four, nproc=4, timeout=max(3600, 30 * len(four)))}
     record_coverage(results)
     return results
 
