@@ -101,7 +101,8 @@ def test_agreeing_ranks_pass_and_explain_prints_the_cost(results):
     assert not any(r["errors"]), r["errors"]
     lines = [line for line in r["explain"].splitlines() if "collectives compared across ranks" in line]
     assert {line.split("(")[1].split(")")[0] for line in lines} == {"forward", "backward"}, r["explain"]
-    assert all("with 1 peer(s)" in line and "ms on the first call" in line for line in lines), lines
+    assert all("with 1 peer(s)" in line and "ms on the first call, besides" in line and "waiting for peers" in line
+               for line in lines), lines
 
 
 @pytest.mark.multirank
