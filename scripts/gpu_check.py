@@ -26,6 +26,9 @@ runs out of time does not stop the others; its partial figures are kept):
 8. ``ac``         8 layers, full AC and none: graphshard vs FSDP2 + torch.compile per block, activation
                   memory and the AC step overhead (issue 29; outside the default budget:
                   ``--budget 200 --sections ac``)
+9. ``coldstart``  setup + first step at 4 and 32 layers, cold and warm caches: graphshard vs FSDP2 +
+                  torch.compile per block (issue 31's targets; outside the default budget:
+                  ``--budget 300 --sections coldstart``)
 
 The overall limit (``--budget``, default 480 s; the dry run's is larger) is shared: a section may
 use what earlier ones left, but never the time the later sections' own budgets need; a section
@@ -61,6 +64,8 @@ SECTIONS = [
      {"TRITON_INTERPRET": "1"}),
     ("throughput", "check_throughput", "throughput: graphshard vs FSDP2 + torch.compile", 140, 500, {}),
     ("ac", "check_ac", "activation checkpointing: activation memory vs FSDP2 + torch.compile per block", 150, 600, {}),
+    ("coldstart", "check_coldstart", "first step against depth, cold and warm: graphshard vs FSDP2 + torch.compile "
+     "per block", 240, 600, {}),
 ]
 GRACE_S = 5.0  # a section's own deadline is this much before it is killed: time to write what it has
 
