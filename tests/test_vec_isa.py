@@ -86,9 +86,10 @@ def test_ranks_split_inductors_check_and_get_its_own_list(inductors_own_check):
     candidates = [str(i) for i in _compat.inductor_cpu_vec_isa().supported_vec_isa_list
                   if all(f in _compat.inductor_cpu_vec_isa().x86_isa_checker() for f in str(i).split())]
     assert listed, "Inductor finds no valid vector ISA here: nothing to split"
-    # every ISA the CPU reports built once, by one rank; both ranks took a share
+    # every ISA the CPU reports built once, by one rank; both ranks took a share where there are two
+    # to take (an AVX2-only CPU reports one: one rank builds it, the other waits for it)
     assert sorted(outs[0]["mine"] + outs[1]["mine"]) == sorted(candidates)
-    assert outs[0]["mine"] and outs[1]["mine"]
+    assert sum(bool(out["mine"]) for out in outs) == min(2, len(candidates)), outs
     for out in outs:
         assert out["listed"] == listed and out["picked"] == picked
         assert out["again"] == {}
@@ -102,7 +103,8 @@ def test_graphshards_compile_splits_the_check_between_its_ranks(inductors_own_ch
 
     (result,) = torchrun("isa_split.py", ["split"], nproc=2)
     ranks = result["ranks"]
-    assert [r["notes"] for r in ranks] == [1, 1], ranks
+    # a note on each rank that took a share: both, unless the CPU reports a single ISA
+    assert sorted(r["notes"] for r in ranks) == ([0, 1] if len(ranks[0]["reported"]) == 1 else [1, 1]), ranks
     assert sorted(ranks[0]["mine"] + ranks[1]["mine"]) == sorted(ranks[0]["reported"]), ranks
     assert all(r["listed"] == inductors_own_check[1] for r in ranks), (ranks, inductors_own_check)
 

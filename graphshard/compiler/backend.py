@@ -446,6 +446,9 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
     compiled: dict = {}  # regions this rank compiled, by (is_backward, key)
     config = ctx.config
     share = compile_share.shared_compile(config.share_compile)
+    # the local ranks split Inductor's ISA check before the first C++ kernel (the shortcut checks one)
+    isa_share = (inductor_cpu.IsaShare(share) if config.lower == "inductor" and share is not None
+                 and not config.fast_isa_check else None)
     # the program's name on every rank: the model (sharded in the same order everywhere), the code
     # dynamo compiled it from, and which compile of that code it is
     program = collective_check.Program(f"m{ctx.models[0].model_id}" if ctx.models else "graph",
@@ -460,6 +463,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         if (config.lower == "inductor" and config.fast_isa_check
                 and any(x.device.type == "cpu" for x in _tensors(inputs))):
             inductor_cpu.inductor_cpu_warmup()  # overlaps the partition (see the function)
+        if isa_share is not None:
+            isa_share.start(_tensors(inputs))  # overlaps the partition (`inductor_cpu.IsaShare`)
         if body:
             start = time.perf_counter()
             try:
@@ -514,10 +519,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 g = run_passes(outline.inline_calls(g, outlined), ctx, post_partition_passes())
             # read before lowering: Inductor rewrites the graph it compiles (in-place collectives)
             by_group = collective_check.fingerprint(g) if collective_check.enabled(config) else None
-            if config.lower == "inductor" and share is not None and not config.fast_isa_check:
-                # before the first C++ kernel the local ranks split Inductor's ISA check (the shortcut checks one)
-                if isa_share := inductor_cpu.share_isa_checks(share, _tensors(inputs)):
-                    ctx.report.notes.append(inductor_cpu.ISA_SPLIT_NOTE + inductor_cpu.describe_isa_checks(isa_share))
+            if isa_share is not None and (checked_here := isa_share.seconds(_tensors(inputs))):
+                ctx.report.notes.append(inductor_cpu.ISA_SPLIT_NOTE + inductor_cpu.describe_isa_checks(checked_here))
             if config.lower == "eager":
                 compiled_fn = _as_fx(g, inputs)
             elif config.regional and not _whole_graph(g, stage, ctx):

@@ -150,6 +150,37 @@ def share_isa_checks(share, inputs) -> dict[str, float]:
     return seconds
 
 
+class IsaShare:
+    """`share_isa_checks` for one compile, on a thread of its own from the compile's first partition
+    (`start`) to its first lowering (`seconds`), which needs Inductor's ISA list.
+
+    Codegen waits for the check, and a rank that claimed none of the ISAs waits in Inductor's file
+    lock for the rank building them: with one ISA (an AVX2 machine) one rank builds it while the
+    other idles, 3.5 s of the 2-core machine's 4.4 s check. Started with the partition, the check
+    runs beside the ranks' partitions instead. Started earlier (at the backend's entry) it slowed
+    the tracing ranks more than it saved (``docs/notes/2026-12-07-cold-start-on-an-avx2-machine.md``)."""
+
+    def __init__(self, share) -> None:
+        self.share = share
+        self.future: Future | None = None
+        self.taken = False
+
+    def start(self, inputs) -> None:
+        if self.future is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="graphshard-isa-check")
+            self.future = pool.submit(share_isa_checks, self.share, list(inputs))
+            pool.shutdown(wait=False)  # the thread ends once the check is done
+
+    def seconds(self, inputs) -> dict[str, float]:
+        """The seconds of each ISA this rank checked (started now if no partition started it), once:
+        later calls return nothing."""
+        self.start(inputs)
+        if self.taken:
+            return {}
+        self.taken = True
+        return self.future.result()
+
+
 ISA_SPLIT_NOTE = "Inductor's vector-ISA build check split between the local ranks, this rank's share: "
 """explain's note for this process's share of the check: a program loaded from the cache does not
 carry it (`program_cache.ReportDelta`), since the process that loads it checks nothing."""
