@@ -92,7 +92,7 @@ def launch(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-_MACHINE_STATE_WARM: list[float] = []  # seconds of the one warm-up this driver ran
+_machine_state_checked = False  # this driver has built (or found) the per-machine compile state
 
 
 def warm_machine_compile_state(env: dict[str, str]) -> None:
@@ -103,23 +103,24 @@ def warm_machine_compile_state(env: dict[str, str]) -> None:
     first variant of a sweep would pay for every other. One tiny CPU compile in a throwaway cache
     directory builds it (15 s more here); a failure only means the first run pays, as before. Not on a
     GPU machine, where the runs build no C++ kernels, nor where a header is built already."""
+    global _machine_state_checked
+    if _machine_state_checked:
+        return
+    _machine_state_checked = True
     import getpass
 
     import torch
 
     headers = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", "precompiled_headers")
-    built = os.path.isdir(headers) and any(f.endswith(".gch") for f in os.listdir(headers))
-    if _MACHINE_STATE_WARM or built or torch.cuda.is_available():
+    if torch.cuda.is_available() or (os.path.isdir(headers) and any(f.endswith(".gch") for f in os.listdir(headers))):
         return
     code = "import torch\nf = torch.compile(lambda x: (x * 2).sin())\nf(torch.randn(64))\n"
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gsbench_warm_") as cache:
         try:
             subprocess.run([sys.executable, "-c", code], env={**env, "TORCHINDUCTOR_CACHE_DIR": cache},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600, check=False)
         except subprocess.TimeoutExpired:
             pass
-    _MACHINE_STATE_WARM.append(time.perf_counter() - t0)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
