@@ -10,10 +10,10 @@ import torch.nn as nn
 from graphshard.compiler import regions
 from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
-from graphshard.compiler.explain import explain, timing_compiles
+from graphshard.compiler.explain import explain, noting_eager_calls, timing_compiles
 from graphshard.plan import Plan
 from graphshard import _compat
-from graphshard.storage import counting_compiled_calls, feeding_local_shards, shard, state_of
+from graphshard.storage import counting_compiled_calls, feeding_local_shards, own_forward, shard, state_of
 
 
 def compile(
@@ -60,7 +60,11 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     state = state_of(root)
     if config.trace_once and not state.dynamo_regions:
         state.dynamo_regions = regions.mark_repeated_units(root, state)
+    if module is not root:  # a frontend's wrapper (FSDP1's root instance): its class's forward is every wrapper's
+        own_forward(module)
     module.compile(backend=make_backend(state, config))
+    name = type(root).__name__ if module is root else f"{type(module).__name__} around {type(root).__name__}"
+    _compat.wrap_compiled_call(module, noting_eager_calls(state, name))  # a call dynamo ran eagerly is logged
     _compat.wrap_compiled_call(module, feeding_local_shards(root, state))  # dynamo sees plain local shards
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     if state.dynamo_regions:

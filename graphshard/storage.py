@@ -317,12 +317,32 @@ def _wrapped_forward(base: type, own_code: bool = False):
             out = base.forward(self, *args, **kwargs)
         return out if io is None else io.outputs(out)
 
-    if not own_code:
-        return forward
-    code = forward.__code__.replace(co_name=f"forward_{next(_model_ids)}")  # the same code, a distinct object
-    fn = types.FunctionType(code, forward.__globals__, code.co_name, forward.__defaults__, forward.__closure__)
-    fn.__qualname__ = f"{base.__qualname__}.forward"
-    return fn
+    return _own_code(forward, base) if own_code else forward
+
+
+def _own_code(fn: types.FunctionType, owner: type) -> types.FunctionType:
+    """``fn`` with a code object of its own (the same code): dynamo keeps its compiled entries and
+    counts its recompile limit per code object, so the compiled forward of every model gets its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_model_ids)}")  # the same code, a distinct object
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = f"{owner.__qualname__}.{fn.__name__}"
+    return copy
+
+
+def own_forward(module: nn.Module) -> None:
+    """Gives ``module`` (a frontend's wrapper compiled around a sharded root: FSDP1's root instance) a
+    ``forward`` of its own code object, as `shard` gives every root (`_wrapped_forward`): wrappers of one
+    class share ``forward``, and after dynamo's recompile limit (8) on it every further model would run
+    eagerly. The class becomes a subclass of the same name, as `shard` does for the modules it changes."""
+    cls = type(module)
+    if module.__dict__.get("_graphshard_own_forward"):
+        return
+    base = getattr(cls, "_graphshard_base", cls)
+    forward = _own_code(cls.forward, base)
+    module.__class__ = type(cls.__name__, (cls,), {"forward": forward, "_graphshard_base": base,
+                                                   "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    module._graphshard_own_forward = True
 
 
 def _counted_forward(base: type):
@@ -404,11 +424,11 @@ def _record_eager_read(model: ShardedModel, key: str, reader: types.FrameType) -
     model.eager_reads[key] = where
     unit = info.layout.unit
     if unit is None or all(k == key or k not in model.eager_reads for k in model.units.get(unit, ())):
-        log.warning("graphshard: %s runs eagerly inside the compiled model: %s reads %s outside any compiled "
+        log.warning("graphshard: %s of %s runs eagerly inside the compiled model: %s reads %s outside any compiled "
                     "graph (dynamo skipped the frame or was told not to trace it; TORCH_LOGS=graph_breaks says "
                     "why). Its parameters are gathered whole at each read and their gradients reduced eagerly; "
                     "explain lists every such region", f"unit {unit!r}" if unit is not None else repr(info.fqn),
-                    where, info.fqn)
+                    f"model m{model.model_id}", where, info.fqn)
 
 
 def in_forward() -> bool:

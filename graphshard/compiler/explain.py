@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import operator
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 import torch.nn as nn
+
+log = logging.getLogger("graphshard")
 
 
 @dataclass
@@ -149,6 +152,45 @@ def timing_compiles(reports: list[GraphReport]) -> Callable[[Callable], Callable
     return wrap
 
 
+@dataclass
+class ModelFallback:
+    """A fallback of a whole compiled call, not of one graph: explain prints it before the graphs
+    (kept in the model's ``preamble``)."""
+
+    what: str
+
+    def format(self) -> str:
+        return f"fallbacks (model): {self.what}"
+
+
+def noting_eager_calls(state, name: str) -> Callable[[Callable], Callable]:
+    """A wrap for a sharded model's compiled call that makes dynamo's whole-call fallback loud: a call
+    that returns with no graph compiled for the model (``state.explain`` empty) ran its forward
+    eagerly: dynamo hit the frame's recompile or cache limit, or skipped it. Logged once, listed by
+    ``explain`` among the model's fallbacks. (A frame skipped inside a call that did compile is an
+    eager region, recorded at its first parameter read: `storage._record_eager_read`.) Other calls
+    pay a list test."""
+    noted = []
+
+    def wrap(call: Callable) -> Callable:
+        @functools.wraps(call)
+        def compiled_call(*args, **kwargs):
+            out = call(*args, **kwargs)
+            if not state.explain and not noted:
+                noted.append(ModelFallback(
+                    f"{name} (model m{state.model_id}) ran its forward eagerly: dynamo compiled no graph for its "
+                    "call (the frame reached torch._dynamo.config.recompile_limit or cache_size_limit, or dynamo "
+                    "skipped it; TORCH_LOGS=recompiles,graph_breaks says which). Its parameters are gathered whole "
+                    "at each read and their gradients reduced eagerly"))
+                state.preamble.append(noted[0])
+                log.warning("graphshard: %s", noted[0].what)
+            return out
+
+        return compiled_call
+
+    return wrap
+
+
 def _short_list(names: list[str], head: int = 3) -> str:
     return ", ".join(names) if len(names) <= head + 1 else f"{', '.join(names[:head])}, ..., {names[-1]}"
 
@@ -208,7 +250,7 @@ def explain(model) -> str:
         parts += ["repeated units (dynamo):"] + [f"  {line}" for line in state.dynamo_regions.lines]
     if state.checkpointing:
         parts += ["activation checkpointing (plan):"] + [f"  {line}" for line in state.checkpointing]
-    if not state.explain:
+    if not state.explain and not any(isinstance(p, ModelFallback) for p in state.preamble):
         parts.append("graphshard: no graph compiled yet; run a step first")
     else:
         parts.extend(r.format() for r in state.explain)
