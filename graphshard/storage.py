@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from graphshard import _compat, sharding
+from graphshard import _compat, replaced, sharding
 from graphshard.ops import ops
 from graphshard.ops.dense import local_chunk
 from graphshard.checkpointing import Checkpoint, run_checkpointed
@@ -93,6 +93,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
     records: dict[str, ShardedParam] = {}
     units: dict[str, list[str]] = {}
     key_of: dict[int, str] = {}
+    replaced_params: list[tuple[nn.Parameter, str]] = []
     for fqn, p in model.named_parameters():  # deduplicated by identity, in registration order
         layout = layouts.get(id(p))
         if layout is None:
@@ -126,6 +127,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         with torch.no_grad():
             dt = _distribute(p.detach().to(device), record, plan)
         replacements[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        replaced_params.append((p, fqn))
 
     modules = dict(model.named_modules())
     flat = {unit: _flatten(modules[unit], [records[k] for k in keys], replacements, key_of)
@@ -153,6 +155,8 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
                          collections=list(collections), checkpointing=_checkpointing(model, resolution))
     sharding.register(state)
     model._graphshard = state
+    for p, fqn in replaced_params:  # an optimizer built over the old parameters stops at its step (`replaced`)
+        replaced.remember(p, fqn, type(model).__name__)
     return model
 
 

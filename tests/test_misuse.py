@@ -1,0 +1,66 @@
+"""Common misuses of a compiled model stop with an error naming the FQN and the fix, instead of
+training wrongly in silence (issue 74): an optimizer built before the compile, a submodule replaced
+after it, a meta-device model, an integer parameter, an unsharded state dict loaded into it.
+
+Fake process group, world size 4 (tests/conftest.py); the multi-rank halves (full state dicts,
+mixed-precision inputs against FSDP2) are in tests/test_misuse_multirank.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import graphshard
+from _models import mesh1d, mlp, tiny_transformer
+from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+
+def _plan():
+    return graphshard.Plan(mesh1d("dp"), {"layers.*": graphshard.FullyShard(), "": graphshard.FullyShard()})
+
+
+def _tokens():
+    return torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+# ---- a. an optimizer created before graphshard.compile ----
+
+def test_optimizer_created_before_compile_stops_at_its_step():
+    model = tiny_transformer()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    graphshard.compile(model, _plan(), lower="eager")
+    owned = {id(p) for p in model.parameters()}
+    assert not any(id(p) in owned for g in opt.param_groups for p in g["params"])  # holds none of them
+    model(_tokens()).sum().backward()
+    with pytest.raises(ValueError, match=r"AdamW steps over 16 parameter\(s\) that graphshard replaced .* sharded "
+                                         r"Transformer \('tok_embeddings.weight', .*Create the optimizer after "
+                                         r"graphshard.compile"):
+        opt.step()
+
+
+def test_optimizer_created_before_the_fsdp_wrapper_stops_too():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = FSDP(model, lower="eager")
+    wrapped(torch.randn(4, 16)).sum().backward()
+    with pytest.raises(ValueError, match=r"SGD steps over 4 parameter\(s\) .*'fc1.weight', 'fc1.bias', 'fc2.weight', "
+                                         r"'fc2.bias'\)"):
+        opt.step()
+
+
+def test_optimizer_created_after_compile_trains_and_others_are_untouched():
+    model = tiny_transformer()
+    graphshard.compile(model, _plan(), lower="eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    model(_tokens()).sum().backward()
+    opt.step()
+    opt.step()  # the second step reuses the first one's check
+    assert any(not torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+    plain = torch.nn.Linear(2, 2)  # an optimizer of a model graphshard never saw
+    other = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain(torch.ones(1, 2)).sum().backward()
+    other.step()
