@@ -13,7 +13,7 @@ from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain, noting_eager_calls, timing_compiles
 from graphshard.plan import Plan
 from graphshard import _compat
-from graphshard.storage import counting_compiled_calls, feeding_local_shards, own_forward, shard, state_of
+from graphshard.storage import checking_new_parameters, counting_compiled_calls, feeding_local_shards, own_forward, shard, state_of
 
 
 def compile(
@@ -65,6 +65,7 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     module.compile(backend=make_backend(state, config))
     name = type(root).__name__ if module is root else f"{type(module).__name__} around {type(root).__name__}"
     _compat.wrap_compiled_call(module, noting_eager_calls(state, name))  # a call dynamo ran eagerly is logged
+    _compat.wrap_compiled_call(module, checking_new_parameters(root, state))  # a submodule set after the compile
     _compat.wrap_compiled_call(module, feeding_local_shards(root, state))  # dynamo sees plain local shards
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     if state.dynamo_regions:

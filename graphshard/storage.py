@@ -28,7 +28,7 @@ from graphshard.ops import ops
 from graphshard.ops.dense import local_chunk
 from graphshard.checkpointing import Checkpoint, run_checkpointed
 from graphshard.params import AxisGroup
-from graphshard.plan import FullyShard, Plan, StridedShard, resolve
+from graphshard.plan import FullyShard, Plan, StridedShard, fqn_match, resolve
 from graphshard.sharding import FLAT_PARAM, FlatSlot, FlatUnit, ShardedModel, ShardedParam
 from graphshard.styles import ModuleIO, layout_steps, placement_str
 
@@ -453,6 +453,50 @@ def counting_compiled_calls(call):
             _forward.compiled -= 1
 
     return compiled_call
+
+
+def checking_new_parameters(root: nn.Module, model: ShardedModel):
+    """A wrapper of ``root``'s compiled call that, after a call that compiled a graph (dynamo recompiles
+    when a submodule is replaced), looks for parameters graphshard never laid out: plain
+    ``nn.Parameter``s that were not in the model when it was compiled (ignored parameters, flat
+    parameters and embedding tables were) and that no ``Plan(ignored_params=...)`` glob names. Such a
+    parameter belongs to a submodule set after the compile (``model.layers[0] = Block(...)``): it would
+    train on each rank alone, its gradient never synchronized, so the call raises ValueError naming it
+    and the fix. Calls that compile nothing pay a length test."""
+    known = {id(p) for p in root.parameters() if not isinstance(p, DTensor)}
+    ignored = model.plan.ignored_params
+
+    def wrap(call):
+        @functools.wraps(call)
+        def compiled_call(*args, **kwargs):
+            before = len(model.explain)
+            out = call(*args, **kwargs)
+            if len(model.explain) != before:
+                new = [fqn for fqn, p in ((_user_fqn(n), p) for n, p in root.named_parameters())
+                       if not isinstance(p, DTensor) and id(p) not in known
+                       and not any(fqn_match(fqn, g) for g in ignored)]
+                if new:
+                    raise ValueError(
+                        f"parameter {new[0]!r}{f' (and {len(new) - 1} more: {_short(new[1:])})' if len(new) > 1 else ''} "
+                        f"of the compiled {type(root).__name__} is a plain nn.Parameter graphshard never sharded: a "
+                        "submodule holding it was set after graphshard.compile (model.layers[0] = Block(...)), so its "
+                        "gradient would not be synchronized across ranks and the ranks would drift apart. Replace "
+                        "submodules before graphshard.compile (build the model as it will train, then compile it), "
+                        "or compile a fresh model; to keep a parameter unsharded on purpose, name it in "
+                        "Plan(ignored_params=...)")
+            return out
+
+        return compiled_call
+
+    return wrap
+
+
+def _user_fqn(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")  # FSDP1's unit wrappers: the user's FQN
+
+
+def _short(names: list[str], head: int = 3) -> str:
+    return ", ".join(names) if len(names) <= head else f"{', '.join(names[:head])}, ..."
 
 
 def feeding_local_shards(root: nn.Module, model: ShardedModel):

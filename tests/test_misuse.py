@@ -64,3 +64,51 @@ def test_optimizer_created_after_compile_trains_and_others_are_untouched():
     other = torch.optim.SGD(plain.parameters(), lr=0.1)
     plain(torch.ones(1, 2)).sum().backward()
     other.step()
+
+
+# ---- b. a submodule replaced after the compile ----
+
+def test_submodule_replaced_after_compile_is_an_error_naming_it():
+    from _models import TINY
+    from graphshard.testing.models import Block
+
+    model = tiny_transformer()
+    graphshard.compile(model, _plan(), lower="eager")
+    model(_tokens()).sum().backward()
+    model.layers[0] = Block(TINY)  # plain parameters: without the check they train unsynchronized
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.attn_norm.weight' \(and 11 more: .*\) of the compiled "
+                                         r"Transformer is a plain nn.Parameter graphshard never sharded: .*Replace "
+                                         r"submodules before graphshard.compile"):
+        model(_tokens())
+
+
+def test_submodule_replaced_inside_an_fsdp_unit_is_named_by_the_users_fqn():
+    from graphshard.fsdp.wrap import ModuleWrapPolicy
+    from graphshard.testing.models import Block
+
+    model = FSDP(tiny_transformer(), auto_wrap_policy=ModuleWrapPolicy({Block}), lower="eager")
+    model(_tokens()).sum().backward()
+    model.module.layers[0].module.ffn = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"parameter 'layers.0.ffn.0.weight' \(and 1 more: layers.0.ffn.0.bias\)"):
+        model(_tokens())
+
+
+def test_ignored_parameters_stay_plain_and_a_replaced_ignored_module_is_allowed():
+    model = mlp()
+    plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}, ignored_params=("fc2.*",))
+    graphshard.compile(model, plan, lower="eager")
+    x = torch.randn(4, 16)
+    model(x).sum().backward()  # fc2's plain parameters were there at the compile: fine
+    model.fc2 = torch.nn.Linear(32, 8)  # under the ignored glob: plain on purpose
+    model(x).sum().backward()
+    assert model.fc2.weight.grad is not None
+
+
+def test_a_parameter_set_on_a_sharded_module_after_compile_is_an_error():
+    model = mlp()
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    model.fc1.weight = torch.nn.Parameter(torch.randn(32, 16))
+    with pytest.raises(ValueError, match=r"parameter 'fc1.weight' of the compiled MLP is a plain nn.Parameter"):
+        model(x)
