@@ -248,6 +248,21 @@ def dynamo_frame() -> str | None:
     return f"{name} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
 
 
+def is_dynamo_graph_input(value) -> bool:
+    """Whether ``value``, a fake tensor an op's fake implementation receives while dynamo traces a
+    frame, is one of that frame's graph inputs (dynamo's fake of a real input), not a value the
+    frame computed. False outside a dynamo trace."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # no frame is being translated
+        return False
+    if tx is None:
+        return False
+    return any(getattr(arg, "fake_tensor", None) is value for arg in tx.output.graphargs)
+
+
 def proxy_trace_graph() -> torch.fx.Graph | None:
     """The graph ``make_fx`` is recording into, or None outside a trace."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode

@@ -115,8 +115,10 @@ class ColwiseParallel(ParallelStyle):
 
 class RowwiseParallel(ParallelStyle):
     """Shards ``nn.Linear`` on its input features (weight dim 1; the bias is replicated) and
-    ``nn.Embedding`` on its rows (the vocabulary). Input sharded on the last dim (Linear) or
-    replicated (Embedding), output replicated."""
+    ``nn.Embedding`` on its rows (the vocabulary). Input declared ``Shard(-1)`` unless
+    ``input_layouts`` says otherwise (as torch, for an embedding's ids too: pass
+    ``input_layouts=Replicate()`` when every rank holds all the ids), redistributed to
+    ``Shard(-1)`` (Linear) or replicated (Embedding); output replicated."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True):
@@ -132,7 +134,7 @@ class RowwiseParallel(ParallelStyle):
     def io(self, fqn, module):
         kind = _linear_or_embedding(self, fqn, module)
         desired = Shard(-1) if kind == "linear" else Replicate()
-        given = self.input_layouts or desired
+        given = self.input_layouts or Shard(-1)  # torch's default for both: the ids too are read as Shard(-1)
         return ModuleIO(inputs=(Layout(given, desired),), outputs=(Layout(None, self.output_layouts),),
                         use_local_output=self.use_local_output)
 
@@ -146,8 +148,8 @@ class SequenceParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def io(self, fqn, module):
-        seq = Shard(self.sequence_dim)
-        return ModuleIO(inputs=(Layout(None, seq),), outputs=(Layout(None, seq),),
+        seq = Shard(self.sequence_dim)  # torch: a plain tensor input is this rank's piece of the sequence
+        return ModuleIO(inputs=(Layout(seq, seq),), outputs=(Layout(None, seq),),
                         use_local_output=self.use_local_output)
 
 

@@ -404,7 +404,7 @@ def sdpa(node, ins, world: int):
 def embedding(node, ins):
     w, idx = ins[0], ins[1]
     if isinstance(w, Shard) and w.dim == 1:
-        return [w, R], Shard(ndim_of(node))  # hidden dim is the last output dim
+        return [w, R], Shard(ndim_of(node) - 1)  # hidden dim is the last output dim
     if isinstance(idx, Shard) and isinstance(w, Replicate):
         return ins, idx
     return [R, R], R

@@ -28,6 +28,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from graphshard.ops import ops
 from graphshard.passes import _expansions, _rules
@@ -50,6 +51,8 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             info = ctx.params[node.args[1]]
             mp = {axis.name: pl for axis, pl in info.model_parallel}
             node.meta["placement"] = {a: mp.get(a, R) for a in axes}
+        elif node.op == "call_function" and node.target == ops.from_local.default:
+            _annotate_from_local(node, axes)
         elif node.op == "call_function" and node.target == ops.layout.default:
             _annotate_layout(node, axes)
         elif node.op == "call_function" and node.target == operator.getitem:
@@ -71,8 +74,85 @@ def _annotate_layout(node: fx.Node, axes: list[str]) -> None:
         )
     cur = dict(x.meta.get("placement") or {a: R for a in axes})
     want = parse_placement(placement, node.meta["val"].dim())
+    if want != R and not _logical(x):
+        _refuse_local_piece(node, x, want)
     node.meta["required"] = {0: {axis: want}} if cur.get(axis, R) != want else {}
     node.meta["placement"] = {**cur, axis: want}
+
+
+def describe_place(where: str) -> str:
+    """``"m3/net1:in0"`` as ``module 'net1' input 0`` (``in[y]``: keyword input 'y', ``out0``: output 0)."""
+    module, _, place = where.split("/", 1)[-1].rpartition(":")
+    module = f"module {module!r}" if module else "the root module"
+    if place.startswith("in["):
+        return f"{module} keyword input {place[3:-1]!r} (input_kwarg_layouts)"
+    if place.startswith("in"):
+        return f"{module} input {place[2:]} (input_layouts)"
+    return f"{module} output {place[3:]} (output_layouts)"
+
+
+def _logical(x: fx.Node) -> bool:
+    """Whether ``x`` is a value of the logical program: computed from a parameter or from a declared
+    layout. Anything else (a graph input, values computed from graph inputs and constants alone)
+    is what each rank passed or made itself: torch's local tensor, which graphshard reads as the
+    whole value."""
+    sources = (ops.param.default, ops.layout.default, ops.from_local.default, ops.unshard.default)
+    seen, stack = set(), [x]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function" and n.target in sources:
+            return True
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _refuse_local_piece(node: fx.Node, x: fx.Node, want) -> None:
+    where = node.args[1]
+    raise NotImplementedError(
+        f"{describe_place(where)} is declared {fmt(want)}: torch reads the tensor there as this rank's piece of a "
+        f"larger tensor (DTensor.from_local), but it is {'the graph input ' + repr(x.name) + ' reached through a traced body' if x.op == 'placeholder' else 'computed from the graph inputs alone (node ' + repr(x.name) + ')'}, "
+        "which graphshard reads as the whole value on every rank. graphshard takes a sharded layout as each "
+        "rank's piece only on a graph input passed straight to the module: pass the input to the module itself "
+        "(and do that computation inside it or after it), or declare Replicate() there and pass every rank the "
+        "whole tensor"
+    )
+
+
+def fmt(p) -> str:
+    return f"Shard({p.dim})" if isinstance(p, Shard) else f"{type(p).__name__}()"
+
+
+def _annotate_from_local(node: fx.Node, axes: list[str]) -> None:
+    """A graph input that is each rank's piece of a logical value (a sharded layout declared on it,
+    torch's ``DTensor.from_local``): the logical value, sharded on ``axis``."""
+    x, where, axis, placement, world = node.args
+    val = node.meta["val"]
+    want = parse_placement(placement, val.dim())
+    if x.op != "placeholder":
+        _refuse_local_piece(node, x, want)
+    others = [u for u in x.users if not (u.op == "call_function" and u.target == ops.from_local.default
+                                          and u.args[3] == placement and u.args[2] == axis)]
+    if others:
+        u = others[0]
+        raise NotImplementedError(
+            f"graph input {x.name!r} is declared {fmt(want)} at {describe_place(where)}, so each rank passes its own "
+            f"piece; it is also used by node {u.name!r} ({u.target}) outside that declaration, where graphshard would "
+            "read the piece as the whole tensor (torch computes on the piece there). Pass the input only to the "
+            "module that declares it (use that module's output elsewhere), or declare Replicate() and pass every "
+            "rank the whole tensor"
+        )
+    if not isinstance(val.shape[want.dim], int):
+        raise NotImplementedError(
+            f"graph input {x.name!r} is declared {fmt(want)} at {describe_place(where)}, and its dim {want.dim} has a "
+            f"dynamic size ({x.meta['val'].shape[want.dim]} a rank): graphshard needs each rank's piece of a sharded "
+            "input to have one static size, the same on every rank (the logical size is it times the mesh size). "
+            "Mark the dim static (torch._dynamo.mark_static) or compile with dynamic=False"
+        )
+    node.meta["required"] = {}
+    node.meta["placement"] = {**{a: R for a in axes}, axis: want}
 
 
 def _annotate_outputs(node: fx.Node) -> None:
@@ -87,6 +167,13 @@ def _annotate_outputs(node: fx.Node) -> None:
         if a.op == "call_function" and a.target == ops.layout.default:
             if any(p != R for p in pl.values()):
                 declared[i] = (dict(pl), a.args[4])
+            elif not a.args[4]:
+                raise NotImplementedError(
+                    f"{describe_place(a.args[1])} is declared Replicate() with use_local_output=False, and it is the "
+                    "model's output: torch returns a replicated DTensor there, graphshard returns DTensors only for "
+                    "sharded layouts. Set use_local_output=True (the tensor is the same on every rank), and wrap it "
+                    "yourself if a DTensor is needed: DTensor.from_local(out, mesh, [Replicate()])"
+                )
             continue
         want = {ax: R for ax, p in pl.items() if p != R}
         if want:

@@ -13,7 +13,9 @@
   sharded or partial on an axis gets ``grad_all_reduce`` (identity forward,
   all-reduce backward): its gradient from that op is a partial sum.
 - ``graphshard::layout`` nodes (declared module layouts) have done their job
-  once their input is redistributed; they are removed.
+  once their input is redistributed; they are removed. A ``graphshard::from_local``
+  (a graph input declared sharded: each rank passed its piece) becomes an alias
+  of the input that carries the logical value, as a sharded parameter's marker does.
 - Gradient guards are then merged: a value all of whose uses (directly or
   through views) are guarded gets one guard instead of one per use, and an
   all-gather whose every use is guarded becomes ``all_gather_partial_grad``,
@@ -44,6 +46,11 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # The parameter as the program now reads it needs a gradient as the marker did
             # (``_guard_replicated_grads`` asks, once FullyShard has replaced it by a gather).
             needs_grad.add(_replace_marker(g, node, ctx))
+            continue
+        if node.op == "call_function" and node.target == ops.from_local.default:
+            local = _replace_from_local(g, node)
+            if local.args[0] in needs_grad:
+                needs_grad.add(local)
             continue
         req = node.meta.get("required") or {}
         for pos, want in req.items():
@@ -156,6 +163,18 @@ def _replace_marker(g: fx.Graph, marker: fx.Node, ctx: PassContext) -> fx.Node:
         new.meta["placement"] = marker.meta["placement"]
     marker.replace_all_uses_with(new)
     g.erase_node(marker)
+    return new
+
+
+def _replace_from_local(g: fx.Graph, node: fx.Node) -> fx.Node:
+    """A graph input that is each rank's piece (``graphshard::from_local``) enters the program as an
+    alias of the input carrying the logical value, sharded, as a model-parallel parameter's local
+    shard does (`_replace_marker`); localize_shapes gives it the local shape again."""
+    with g.inserting_before(node):
+        new = g.call_function(aten.alias.default, (node.args[0],))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    g.erase_node(node)
     return new
 
 

@@ -35,6 +35,7 @@ import torch.fx as fx
 from graphshard import _compat
 from graphshard.compiler import regions
 from graphshard.ops import ops
+from graphshard.ops.dense import layout_world
 from graphshard.ops.region import region_outputs
 from graphshard.passes.context import BLOCK, TRACED
 from graphshard.passes.tag_recomputation import innermost_module
@@ -122,14 +123,33 @@ def _name_layouts(gm: fx.GraphModule) -> None:
         if not isinstance(g, fx.GraphModule):
             continue
         named = False
-        for node in g.graph.nodes:
+        for node in list(g.graph.nodes):
             if node.op == "call_function" and node.target in _LAYOUT and is_traced_key(node.args[1].rpartition(":")[0]):
                 traced, _, place = node.args[1].rpartition(":")
                 module = innermost_module(node.meta.get("nn_module_stack")) or ""
                 node.update_arg(1, f"{traced.partition('/')[0]}/{module}:{place}")
                 named = True
+            if node.op == "call_function" and node.target in _LAYOUT and _from_local(g.graph, node):
+                named = True
         if named:
             g.recompile()
+
+
+def _from_local(g: fx.Graph, node: fx.Node) -> bool:
+    """Puts a ``graphshard::from_local`` before a declared layout whose fake, while dynamo traced,
+    had the logical shape of a graph input that is each rank's piece (`ops.dense._layout_fake`):
+    the ATen trace then gives the code after it the shapes dynamo traced it with."""
+    x = node.args[0]
+    traced, given = x.meta.get("example_value"), node.meta.get("example_value")
+    if not (isinstance(traced, torch.Tensor) and isinstance(given, torch.Tensor)) or traced.shape == given.shape:
+        return False
+    world = layout_world(node.args[1], node.args[2])
+    with g.inserting_before(node):
+        local = g.call_function(ops.from_local.default, (x, *node.args[1:4], world))
+    local.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+    local.meta["example_value"] = given
+    node.update_arg(0, local)
+    return True
 
 
 def _relocate_layout_names(copies: list[fx.Node], origin: dict | None, call: dict | None) -> None:

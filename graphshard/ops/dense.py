@@ -40,6 +40,7 @@ lib.define("shard(Tensor x, int dim, str group, int world, int rank) -> Tensor")
 lib.define("grad_all_reduce(Tensor x, str group, int world) -> Tensor")
 lib.define("to_partial(Tensor x, int rank) -> Tensor")
 lib.define("layout(Tensor x, str where, str axis, str placement, bool local) -> Tensor")
+lib.define("from_local(Tensor x, str where, str axis, str placement, int world) -> Tensor")
 lib.define("all_reduce_max(Tensor x, str group) -> Tensor")
 lib.define("all_gather_partial_grad(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
 lib.define("all_to_all(Tensor x, SymInt[] out_splits, SymInt[] in_splits, str group) -> Tensor")
@@ -465,15 +466,50 @@ torch.library.register_autograd("graphshard::unshard", _unshard_backward, setup_
 # output). An identity on values: the program is logical. insert_collectives replaces it by the
 # redistribution to ``placement`` on mesh axis ``axis``; ``local`` (use_local_output) says whether
 # a model output the caller receives is the local shard or a DTensor.
+#
+# One exception, torch's ``DTensor.from_local``: a sharded layout declared on a graph input (the
+# tensor the caller passes, each rank its own piece) makes the logical value, ``world`` pieces
+# long on the sharded dim. While dynamo traces, the fake of such a layout has that logical shape,
+# so the code after it sees what torch's module sees; the trace to ATen then puts a
+# ``graphshard::from_local`` before the layout (`aten_trace._name_layouts`), and insert_collectives
+# turns it into the local input carrying the logical value, as a sharded parameter's marker.
 # --------------------------------------------------------------------------------------------
 @torch.library.impl(lib, "layout", "CompositeExplicitAutograd")
 def _layout_eager(x, where, axis, placement, local):
     return x.clone()
 
 
+def _logical(x: torch.Tensor, placement: str, world: int) -> torch.Tensor:
+    d = int(placement[2:-1]) % x.dim()
+    return x.new_empty((*x.shape[:d], x.shape[d] * world, *x.shape[d + 1:]))
+
+
+def layout_world(where: str, axis: str) -> int | None:
+    """The size of mesh axis ``axis`` of the model a declared layout's ``where`` names."""
+    from graphshard.sharding import model_for_key
+
+    model = model_for_key(where)
+    group = model.axes.get(axis) if model is not None else None
+    return group.world if group is not None else None
+
+
 @torch.library.register_fake("graphshard::layout")
 def _layout_fake(x, where, axis, placement, local):
+    if placement != "R" and x.dim() and _compat.is_dynamo_graph_input(x):
+        world = layout_world(where, axis)
+        if world is not None:
+            return _logical(x, placement, world)
     return torch.empty_like(x)
+
+
+@torch.library.impl(lib, "from_local", "CompositeExplicitAutograd")
+def _from_local_eager(x, where, axis, placement, world):
+    raise RuntimeError("graphshard::from_local is a compiler node: insert_collectives replaces it before it runs")
+
+
+@torch.library.register_fake("graphshard::from_local")
+def _from_local_fake(x, where, axis, placement, world):
+    return _logical(x, placement, world)
 
 
 torch.library.register_autograd(

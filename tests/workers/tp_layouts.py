@@ -139,6 +139,17 @@ class ResidualMLP(nn.Module):
         return self.net2(torch.relu(self.net1(x))) + x
 
 
+class MeanMLP(nn.Module):
+    """Reads its input outside the column-parallel layer too (a mean, which fits any row count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net1, self.net2 = nn.Linear(10, 16), nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.net2(torch.relu(self.net1(x))) + x.mean()
+
+
 # ------------------------------------------------------------------------------------------------
 # Cases
 # ------------------------------------------------------------------------------------------------
@@ -214,7 +225,8 @@ def _add_cases() -> None:
     CASES["emb_col_in_s0"] = _c(Emb, lambda s: {"emb": s.ColwiseParallel(input_layouts=Shard(0))}, [(ids, Shard(0))],
                                 Shard(2))
     CASES["emb_row"] = _c(Emb, lambda s: {"emb": s.RowwiseParallel(input_layouts=R)}, [(ids, R)], R)
-    CASES["emb_row_default"] = _c(Emb, lambda s: {"emb": s.RowwiseParallel()}, [(ids, R)], R)
+    # torch's default input_layouts is Shard(-1) for an embedding too: each rank passes its own positions
+    CASES["emb_row_default"] = _c(Emb, lambda s: {"emb": s.RowwiseParallel()}, [(ids, Shard(1))], R)
     CASES["emb_row_out_s1"] = _c(Emb, lambda s: {"emb": s.RowwiseParallel(input_layouts=R, output_layouts=Shard(1))},
                                  [(ids, R)], Shard(1))
     CASES["emb_row_in_s0"] = _c(Emb, lambda s: {"emb": s.RowwiseParallel(input_layouts=Shard(0))}, [(ids, Shard(0))], R)
@@ -259,6 +271,9 @@ def _add_cases() -> None:
     CASES["refuse_computed_input"] = _c(ScaledMLP, lambda s: {"net1": s.ColwiseParallel(input_layouts=Shard(0)),
                                                               "net2": s.RowwiseParallel(output_layouts=Shard(0))},
                                         [(X10, Shard(0))], Shard(0))
+    CASES["refuse_input_read_outside"] = _c(MeanMLP, lambda s: {"net1": s.ColwiseParallel(input_layouts=Shard(0)),
+                                                                "net2": s.RowwiseParallel(output_layouts=Shard(0))},
+                                            [(X10, Shard(0))], Shard(0))
     CASES["refuse_input_used_outside"] = _c(ResidualMLP, lambda s: {"net1": s.ColwiseParallel(input_layouts=Shard(0)),
                                                                     "net2": s.RowwiseParallel(output_layouts=Shard(0))},
                                             [(X10, Shard(0))], Shard(0))
