@@ -116,16 +116,16 @@ class <lambda>(torch.nn.Module):
     def test_sequence_parallel_block(self):
         # Norms run on sequence shards; the row-parallel all-reduce becomes a reduce-scatter and the
         # column-parallel input an all-gather whose backward is a reduce-scatter.
-        text = graph_after(seeded(Block, TINY), sp_block_plan(mesh1d("tp")), (torch.randn(2, 8, 16),),
+        # the root's input is declared Shard(1): each of the 4 ranks passes its 2 positions of the 8
+        text = graph_after(seeded(Block, TINY), sp_block_plan(mesh1d("tp")), (torch.randn(2, 2, 16),),
                            "localize_shapes")
         self.assertExpectedInline(collectives(text), """\
-    def forward(self, arg0_1: "f32[2, 8, 16]", arg1_1: "f32[16]", arg2_1: "f32[16]", arg3_1: "f32[4, 16]", arg4_1: "f32[4, 16]", arg5_1: "f32[4, 16]", arg6_1: "f32[16, 4]", arg7_1: "f32[16]", arg8_1: "f32[16]", arg9_1: "f32[16, 16]", arg10_1: "f32[16]", arg11_1: "f32[16, 16]", arg12_1: "f32[16]"):
+    def forward(self, arg0_1: "f32[2, 2, 16]", arg1_1: "f32[16]", arg2_1: "f32[16]", arg3_1: "f32[4, 16]", arg4_1: "f32[4, 16]", arg5_1: "f32[4, 16]", arg6_1: "f32[16, 4]", arg7_1: "f32[16]", arg8_1: "f32[16]", arg9_1: "f32[16, 16]", arg10_1: "f32[16]", arg11_1: "f32[16, 16]", arg12_1: "f32[16]"):
         grad_all_reduce_default: "f32[16]" = torch.ops.graphshard.grad_all_reduce.default(arg1_1, 'tp', 4);  arg1_1 = None
         grad_all_reduce_default_1: "f32[16]" = torch.ops.graphshard.grad_all_reduce.default(arg2_1, 'tp', 4);  arg2_1 = None
         grad_all_reduce_default_5: "f32[16]" = torch.ops.graphshard.grad_all_reduce.default(arg7_1, 'tp', 4);  arg7_1 = None
         grad_all_reduce_default_6: "f32[16]" = torch.ops.graphshard.grad_all_reduce.default(arg8_1, 'tp', 4);  arg8_1 = None
         to_partial_default: "f32[16]" = torch.ops.graphshard.to_partial.default(arg12_1, 0);  arg12_1 = None
-        shard_default: "f32[2, 2, 16]" = torch.ops.graphshard.shard.default(arg0_1, 1, 'tp', 4, 0);  arg0_1 = None
         all_gather_default: "f32[2, 8, 16]" = torch.ops.graphshard.all_gather_partial_grad.default(getitem, 1, 8, 'tp', 4, 0);  getitem = None
         reduce_scatter_default: "f32[2, 2, 16]" = torch.ops.graphshard.reduce_scatter.default(_unsafe_view_9, 1, 'tp', 4, 0);  _unsafe_view_9 = None
         all_gather_default_1: "f32[2, 8, 16]" = torch.ops.graphshard.all_gather_partial_grad.default(getitem_3, 1, 8, 'tp', 4, 0);  getitem_3 = None
@@ -138,28 +138,28 @@ class <lambda>(torch.nn.Module):
         # A collective along dim 1 moves the ranks' axis beside dim 1 with one copy of whole rows:
         # after the gather, before the reduce-scatter. The piece itself goes in as it is: no
         # transposing copy of it before the gather, none of the result after the reduce-scatter.
-        g = compiled_stages(seeded(Block, TINY), sp_block_plan(mesh1d("tp")), (torch.randn(2, 8, 16),))
+        g = compiled_stages(seeded(Block, TINY), sp_block_plan(mesh1d("tp")), (torch.randn(2, 2, 16),))
         self.assertExpectedInline(data_movement(g["forward"]), """\
 all_gather_into_tensor: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(getitem, 4, 'tp')
 wait_tensor: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor)
 permute: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view, [1, 0, 2, 3])
-clone_6: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute, memory_format = torch.contiguous_format)
+clone_5: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute, memory_format = torch.contiguous_format)
 permute_1: "f32[4, 2, 2, 16]" = torch.ops.aten.permute.default(view_9, [1, 0, 2, 3])
-clone_11: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_1, memory_format = torch.contiguous_format)
+clone_10: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_1, memory_format = torch.contiguous_format)
 reduce_scatter_tensor: "f32[2, 2, 16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(_unsafe_view_11, 'sum', 4, 'tp')
 wait_tensor_1: "f32[2, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor)
 all_gather_into_tensor_1: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(getitem_3, 4, 'tp')
 wait_tensor_2: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_1)
 permute_2: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view_10, [1, 0, 2, 3])
-clone_12: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_2, memory_format = torch.contiguous_format)
+clone_11: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_2, memory_format = torch.contiguous_format)
 permute_3: "f32[4, 2, 2, 16]" = torch.ops.aten.permute.default(view_15, [1, 0, 2, 3])
-clone_13: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_3, memory_format = torch.contiguous_format)
+clone_12: "f32[4, 2, 2, 16]" = torch.ops.aten.clone.default(permute_3, memory_format = torch.contiguous_format)
 reduce_scatter_tensor_1: "f32[2, 2, 16]" = torch.ops._c10d_functional.reduce_scatter_tensor.default(_unsafe_view_13, 'sum', 4, 'tp')
 wait_tensor_3: "f32[2, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(reduce_scatter_tensor_1)
 all_gather_into_tensor_2: "f32[8, 2, 16]" = torch.ops._c10d_functional.all_gather_into_tensor.default(add_2, 4, 'tp')
 wait_tensor_4: "f32[8, 2, 16]" = torch.ops._c10d_functional.wait_tensor.default(all_gather_into_tensor_2)
 permute_4: "f32[2, 4, 2, 16]" = torch.ops.aten.permute.default(view_16, [1, 0, 2, 3])
-clone_14: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_4, memory_format = torch.contiguous_format)
+clone_13: "f32[2, 4, 2, 16]" = torch.ops.aten.clone.default(permute_4, memory_format = torch.contiguous_format)
 """)
 
     def test_loss_parallel_never_gathers_the_logits(self):
