@@ -103,6 +103,15 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
                 f"parameter {fqn!r} is already sharded (an earlier graphshard.shard or parallelize_module call "
                 "covered it); each module is parallelized once: drop it from this plan"
             )
+        if not (p.is_floating_point() or p.is_complex()):
+            owner, _, name = fqn.rpartition(".")
+            raise ValueError(
+                f"parameter {fqn!r} is an nn.Parameter of dtype {p.dtype}: graphshard gathers and reduces a unit's "
+                "parameters as one buffer of a floating dtype, which would change an integer's values (as indices "
+                "they fail to compile). Keep it out of the plan: register it as a buffer instead "
+                f"({f'model.get_submodule({owner!r})' if owner else 'model'}.register_buffer({name!r}, tensor)), which stays "
+                f"whole on "
+                f"every rank, or name it in Plan(ignored_params=[{fqn!r}]) (FSDP: ignored_states)")
         if p.dim() == 0 and any(isinstance(pl, Shard) for pl in layout.placements):
             raise NotImplementedError(f"parameter {fqn!r} is a scalar and cannot be sharded; exclude it from sharding specs")
         mp = tuple((groups[a], pl) for a, pl in zip(plan.axis_names, layout.placements) if a in plan.model_parallel_axes)

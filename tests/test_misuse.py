@@ -112,3 +112,41 @@ def test_a_parameter_set_on_a_sharded_module_after_compile_is_an_error():
     model.fc1.weight = torch.nn.Parameter(torch.randn(32, 16))
     with pytest.raises(ValueError, match=r"parameter 'fc1.weight' of the compiled MLP is a plain nn.Parameter"):
         model(x)
+
+
+# ---- d. an integer nn.Parameter ----
+
+class _Permuted(torch.nn.Module):
+    """A model reading an integer parameter as indices (the failing case: packed with the unit's float
+    weights it became float)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = torch.nn.Linear(16, 16)
+        self.order = torch.nn.Parameter(torch.arange(16).flip(0), requires_grad=False)
+
+    def forward(self, x):
+        return self.fc(x)[..., self.order]
+
+
+def test_integer_parameter_is_an_error_naming_it_and_the_fix():
+    with pytest.raises(ValueError, match=re.escape(
+            "parameter 'order' is an nn.Parameter of dtype torch.int64") + ".*" + re.escape(
+            "model.register_buffer('order', tensor)") + ".*" + re.escape("Plan(ignored_params=['order'])")):
+        graphshard.compile(_Permuted(), graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+    with pytest.raises(ValueError, match=r"parameter 'fc1.order' .*model.get_submodule\('fc1'\).register_buffer"):
+        model = mlp()
+        model.fc1.register_parameter("order", torch.nn.Parameter(torch.arange(3), requires_grad=False))
+        graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
+
+
+def test_integer_parameter_named_in_ignored_params_trains_as_the_single_process():
+    ref, model = _Permuted(), _Permuted()
+    # Replicate: the fake process group's gathers do not give the whole weight; numerics against FSDP's
+    # gathers run on gloo ranks elsewhere, this checks the indices
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.Replicate()}, ignored_params=("order",)),
+                       lower="eager")
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(model(x), ref(x))
+    assert model.order.dtype == torch.int64 and not isinstance(model.order, torch.distributed.tensor.DTensor)
