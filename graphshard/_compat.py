@@ -260,7 +260,11 @@ def is_dynamo_graph_input(value) -> bool:
         return False
     if tx is None:
         return False
-    return any(getattr(arg, "fake_tensor", None) is value for arg in tx.output.graphargs)
+    for node in tx.output.root_tracer.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")  # a placeholder dynamo lifted into a body's tracer has none
+        if arg is not None and getattr(arg, "fake_tensor", None) is value:
+            return True
+    return False
 
 
 def proxy_trace_graph() -> torch.fx.Graph | None:

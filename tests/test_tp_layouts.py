@@ -175,7 +175,16 @@ REFUSED = {
     # The rows also added outside the layer (+ x): torch runs it and matches the single process;
     # under graphshard the logical [16, 10] output meets the [8, 10] piece while dynamo traces.
     "refuse_input_used_outside": ("TorchRuntimeError", "RuntimeError when making fake tensor call"),
+    # The rows' count changes at step 2 (16 -> 12): torch runs it and matches the single process;
+    # dynamo recompiles with a symbolic row count, which graphshard refuses for a sharded dim.
+    "refuse_dynamic_rows": ("NotImplementedError", "is declared Shard(0) at module 'net1' input 0 (input_layouts), "
+                                                   "and its dim 0 has a dynamic size"),
+    # 9 rows, passed as 5 and 4: the ranks' programs differ, and the collective check stops them
+    # before the first collective. Torch's TP is not run: gloo aborts its process on the size
+    # mismatch of its all-gather (torch's from_local takes pieces as even).
+    "refuse_uneven_rows": ("CollectiveMismatch", "rank 0: all_gather(float32[5,10]"),
 }
+TORCH_NOT_RUN = {"refuse_uneven_rows"}
 
 
 @pytest.fixture(scope="module")
@@ -201,4 +210,5 @@ def test_refused_with_its_reason(sweep, case):
     r = sweep[case]
     assert "refused" in r, f"{case} ran: {r}"
     assert kind in r["refused"] and message in r["refused"], r["refused"]
-    assert "torch_error" not in r, f"torch runs {case}: {r['torch_error']}"
+    if case not in TORCH_NOT_RUN:
+        assert "torch_error" not in r, f"torch runs {case}: {r['torch_error']}"

@@ -162,6 +162,8 @@ class Case:
     kwargs: dict = field(default_factory=dict)  # keyword graph inputs: name -> (shape, layout)
     lower: str = "eager"
     frontend: str = "plan"
+    step_shapes: tuple | None = None  # the first input's global shape at each step, where it changes
+    run_torch: bool = True  # False: torch's TP takes the process down on this case
 
 
 def _c(model, plan, inputs, out, **kw) -> Case:
@@ -277,6 +279,11 @@ def _add_cases() -> None:
     CASES["refuse_input_used_outside"] = _c(ResidualMLP, lambda s: {"net1": s.ColwiseParallel(input_layouts=Shard(0)),
                                                                     "net2": s.RowwiseParallel(output_layouts=Shard(0))},
                                             [(X10, Shard(0))], Shard(0))
+    # Pieces of different sizes (9 rows: 5 and 4), and a row count that changes between steps
+    sp_plan = lambda s: {"net1": s.ColwiseParallel(input_layouts=Shard(0)),  # noqa: E731
+                         "net2": s.RowwiseParallel(output_layouts=Shard(0))}
+    CASES["refuse_uneven_rows"] = _c(MLPModule, sp_plan, [((9, 10), Shard(0))], Shard(0), run_torch=False)
+    CASES["refuse_dynamic_rows"] = _c(MLPModule, sp_plan, [(X10, Shard(0))], Shard(0), step_shapes=((16, 10), (12, 10)))
     # an Inductor-lowered pair among the sweep's
     CASES["pmi_s0_r_dt_inductor"] = dataclass_replace(CASES["pmi_s0_r_dt"], lower="inductor")
 
@@ -305,7 +312,10 @@ def _global_inputs(case: Case, step: int):
             return torch.randint(0, shape[2], shape[1], generator=g)
         return torch.randn(shape, generator=g)
 
-    args = [make(shape) for shape, _ in case.inputs]
+    shapes = [shape for shape, _ in case.inputs]
+    if case.step_shapes is not None:
+        shapes[0] = case.step_shapes[step]
+    args = [make(shape) for shape in shapes]
     kwargs = {k: make(shape) for k, (shape, _) in case.kwargs.items()}
     return args, kwargs
 
@@ -410,6 +420,8 @@ def run(name: str) -> dict:
     from torch.distributed.tensor import parallel as ttp
 
     try:
+        if not case.run_torch:  # gloo aborts the process on the size mismatch of torch's all-gather
+            raise RuntimeError("not run: torch's TP aborts the process on this case")
         ttp.parallelize_module(theirs, mesh, case.plan(ttp))
         t = _train(theirs, lambda m, s: _step_sharded(m, case, s, world, rank))
         result["torch"] = _errs(t, single)
