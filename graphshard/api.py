@@ -13,7 +13,8 @@ from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain, noting_eager_calls, timing_compiles
 from graphshard.plan import Plan
 from graphshard import _compat
-from graphshard.storage import checking_new_parameters, counting_compiled_calls, feeding_local_shards, own_forward, shard, state_of
+from graphshard.storage import (checking_new_parameters, counting_compiled_calls, feeding_local_shards,
+                                loading_full_tensors, own_forward, shard, state_of)
 
 
 def compile(
@@ -49,6 +50,7 @@ def compile(
                            program_cache=program_cache)
     if state_of(model) is None:
         shard(model, plan)
+        loading_full_tensors(model)  # load_state_dict takes a full state dict (FSDP2's full_state_dict load)
     elif state_of(model).plan is not plan:
         raise ValueError(f"{type(model).__name__} is already sharded with another plan; shard a fresh model")
     return compile_sharded(model, model, config)

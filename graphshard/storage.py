@@ -134,7 +134,7 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         if layout.unit is not None:
             units.setdefault(layout.unit, []).append(key)
         with torch.no_grad():
-            dt = _distribute(p.detach().to(device), record, plan)
+            dt = _distribute(p.detach() if p.is_meta else p.detach().to(device), record, plan)
         replacements[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
         replaced_params.append((p, fqn))
 
@@ -167,6 +167,39 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
     for p, fqn in replaced_params:  # an optimizer built over the old parameters stops at its step (`replaced`)
         replaced.remember(p, fqn, type(model).__name__)
     return model
+
+
+def loading_full_tensors(model: nn.Module) -> None:
+    """Lets ``model.load_state_dict`` take a full (unsharded) state dict, as FSDP2's
+    ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` does: a load-state-dict pre-hook
+    (torch's public per-module hook) replaces each plain tensor under a sharded parameter's key, of the
+    parameter's logical shape, by its DTensor, split on each rank (every rank loads the same full state
+    dict). A plain tensor of another shape is an error naming the key and both shapes (torch would fail
+    with ``mixed torch.Tensor and DTensor``)."""
+    state = state_of(model)
+
+    def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        for info in state.params.values():
+            if info.slot is not None:  # a flat unit's shards load as its flat parameter
+                continue
+            for fqn in info.layout.fqns:
+                key = prefix + fqn
+                value = state_dict.get(key)
+                if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+                    continue
+                if tuple(value.shape) != tuple(info.logical_shape):
+                    raise ValueError(
+                        f"state dict key {key!r} holds a torch.Tensor of shape {tuple(value.shape)}, and the compiled "
+                        f"model's parameter there is a sharded DTensor of shape {tuple(info.logical_shape)}: load a "
+                        "full state dict (the single-process model's, every tensor whole) or the one the compiled "
+                        "model's state_dict() gives (DTensors), e.g. through torch.distributed.checkpoint.state_dict."
+                        "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))")
+                local = info.local()
+                with torch.no_grad():
+                    state_dict[key] = _distribute(value.detach().to(device=local.device), info, state.plan,
+                                                  split_here=True)
+
+    model.register_load_state_dict_pre_hook(hook)
 
 
 def _checkpointing(model: nn.Module, resolution) -> list[str]:
@@ -212,7 +245,7 @@ def _flatten(module: nn.Module, records: list[ShardedParam], replacements: dict[
     return fu
 
 
-def _distribute(p: torch.Tensor, info: ShardedParam, plan: Plan) -> DTensor:
+def _distribute(p: torch.Tensor, info: ShardedParam, plan: Plan, split_here: bool = False) -> DTensor:
     """The DTensor holding ``p`` as ``info`` lays it out.
 
     When FullyShard and a model-parallel axis both shard dim 0 (FSDP over a
@@ -227,7 +260,11 @@ def _distribute(p: torch.Tensor, info: ShardedParam, plan: Plan) -> DTensor:
         )
     both_dim0 = info.shard is not None and any(pl == Shard(0) for _, pl in info.model_parallel)
     if not both_dim0:
-        return distribute_tensor(p, plan.mesh, info.placements)
+        # a meta-device parameter (FSDP2's flow: shard on meta, then model.to_empty() and initialize) is
+        # split where it is, with nothing sent: there are no values to agree on
+        # (``split_here``: every rank holds the same full tensor, a loaded full state dict)
+        here = p.is_meta or split_here
+        return distribute_tensor(p, plan.mesh, info.placements, **({"src_data_rank": None} if here else {}))
     local = p
     for axis, pl in info.model_parallel:
         if isinstance(pl, Shard):
@@ -515,10 +552,13 @@ def feeding_local_shards(root: nn.Module, model: ShardedModel):
     aliasing check each). All the shards come through one autograd node (`_compat.local_tensors`),
     whose backward gives each DTensor parameter its gradient; the tables are emptied after the call."""
     sites: list[tuple[nn.Module, str]] = []
+    on_meta = [any(p.local().is_meta for p in model.params.values())]  # sharded on the meta device (FSDP2's flow)
 
     def wrap(call):
         @functools.wraps(call)
         def compiled_call(*args, **kwargs):
+            if on_meta[0]:
+                on_meta[0] = _check_materialized(model)
             if not sites:
                 sites.extend((m, name) for m in root.modules() for name in m.__dict__.get("_graphshard_markers", ()))
             fed = _feed(sites, model)
@@ -532,6 +572,19 @@ def feeding_local_shards(root: nn.Module, model: ShardedModel):
         return compiled_call
 
     return wrap
+
+
+def _check_materialized(model: ShardedModel) -> bool:
+    """Raises, naming the first parameter still on the meta device, until ``model.to_empty()`` ran."""
+    meta = [p.fqn for p in model.params.values() if p.local().is_meta]
+    if meta:
+        raise ValueError(
+            f"parameter {meta[0]!r}{f' (and {len(meta) - 1} more)' if len(meta) > 1 else ''} is on the meta device: "
+            "the model was sharded on the meta device and has no values yet. Materialize it before the first "
+            "call, as with FSDP2: model.to_empty(device=...) (the sharded parameters stay sharded), then "
+            "initialize it (each module's reset_parameters(), your init function, or load a checkpoint with "
+            "torch.distributed.checkpoint.state_dict.set_model_state_dict)")
+    return False
 
 
 def _feed(sites: list[tuple[nn.Module, str]], model: ShardedModel) -> list[dict]:

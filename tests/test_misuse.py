@@ -150,3 +150,58 @@ def test_integer_parameter_named_in_ignored_params_trains_as_the_single_process(
     x = torch.randn(4, 16)
     torch.testing.assert_close(model(x), ref(x))
     assert model.order.dtype == torch.int64 and not isinstance(model.order, torch.distributed.tensor.DTensor)
+
+
+# ---- c. a model built on the meta device ----
+
+def _meta_transformer():
+    from _models import TINY
+    from graphshard.testing.models import Transformer
+
+    with torch.device("meta"):
+        return Transformer(TINY)
+
+
+def test_meta_model_called_before_to_empty_names_the_parameter_and_the_fix():
+    model = graphshard.compile(_meta_transformer(), _plan(), lower="eager")  # shards on meta, as fully_shard does
+    assert model.layers[0].ffn.w1.weight.to_local().is_meta and model.layers[0].ffn.w1.weight.shape == (64, 16)
+    with pytest.raises(ValueError, match=r"parameter 'tok_embeddings.weight' \(and 15 more\) is on the meta device: "
+                                         r".*model.to_empty\(device=...\).*then initialize it"):
+        model(_tokens())
+
+
+def test_meta_model_materialized_with_to_empty_loads_and_runs():
+    ref = tiny_transformer()
+    model = graphshard.compile(_meta_transformer(), _plan(), lower="eager")
+    params = {n: id(p) for n, p in model.named_parameters()}
+    model.to_empty(device="cpu")
+    assert {n: id(p) for n, p in model.named_parameters()} == params  # the same parameter objects, now on the CPU
+    model.load_state_dict(ref.state_dict())  # a full state dict, sharded on load (case e)
+    for n, p in model.named_parameters():
+        assert p.placements == (torch.distributed.tensor.Shard(0),) and not p.to_local().is_meta, n
+        torch.testing.assert_close(p.to_local(), ref.state_dict()[n].chunk(4)[0], rtol=0, atol=0)
+    model(_tokens()).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# ---- e. an unsharded state dict loaded into the compiled model ----
+
+def test_full_state_dict_loads_into_the_sharded_parameters():
+    ref, model = tiny_transformer(), tiny_transformer()
+    graphshard.compile(model, _plan(), lower="eager")
+    full = {k: v + 1 for k, v in ref.state_dict().items()}
+    assert not model.load_state_dict(full).missing_keys
+    for n, p in model.named_parameters():  # this rank's (rank 0's) rows of each full tensor
+        torch.testing.assert_close(p.to_local(), full[n].chunk(4)[0], rtol=0, atol=0)
+    assert isinstance(model.layers[0].ffn.w1.weight, torch.distributed.tensor.DTensor)
+
+
+def test_state_dict_of_local_shapes_is_an_error_naming_the_key():
+    model = tiny_transformer()
+    graphshard.compile(model, _plan(), lower="eager")
+    local = {k: (v.to_local() if isinstance(v, torch.distributed.tensor.DTensor) else v)
+             for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"state dict key 'tok_embeddings.weight' holds a torch.Tensor of shape "
+                                         r"\(8, 16\), and the compiled model's parameter there is a sharded DTensor of "
+                                         r"shape \(32, 16\).*set_model_state_dict"):
+        model.load_state_dict(local)
