@@ -44,6 +44,8 @@ _CACHE = "graphshard/compiler/program_cache.py (_compat: CompileConfig.program_c
 _CACHE_GATE = "without it program_cache is off and explain says why"
 
 PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
+    ("torch.distributed._remote_device", "graphshard/fingerprint.py TorchRec plans' shard placements in the program "
+     "cache's key (_compat.is_remote_device)"),
     # multi-tensor ops and functional collectives
     ("torch._foreach_add", "graphshard/ops/dense.py grad packing (_compat.foreach_add)"),
     ("torch._foreach_add_", "graphshard/ops/dense.py grad packing (_compat.foreach_add_)"),

@@ -559,6 +559,13 @@ def output_code_base() -> type:
     return OutputCode
 
 
+def is_remote_device(value) -> bool:
+    """Whether ``value`` is a sharded tensor's shard placement (``"rank:0/cpu"``; TorchRec's plans hold them)."""
+    from torch.distributed import _remote_device
+
+    return isinstance(value, _remote_device)
+
+
 def is_op_overload(value) -> bool:
     return isinstance(value, torch._ops.OpOverload)
 

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from graphshard import _compat, params
+from graphshard.fingerprint import unkeyed
 from graphshard.params import AxisGroup, chunk_size, local_size
 from graphshard.plan import FullyShard, ParamLayout, Plan, StridedShard
 
@@ -55,7 +56,7 @@ class FlatSlot:
 class FlatUnit:
     """A unit whose parameters live in one flat 1-D parameter ``module._flat_param``."""
 
-    module: nn.Module = field(repr=False)
+    module: nn.Module = field(repr=False, metadata=unkeyed("the module holding the flat parameter: storage, not layout"))
     slots: list[FlatSlot]
 
     @property
@@ -81,7 +82,8 @@ class ShardedParam:
     replicate: tuple[AxisGroup, ...]   # data-parallel axes it is replicated over (grads all-reduced)
     model_parallel: tuple[tuple[AxisGroup, Placement], ...]  # model-parallel axes and placements
     # where it is stored (set by storage.shard; left out of the repr, which would print the module)
-    owner: tuple[nn.Module, str] | None = field(default=None, repr=False)  # the module holding it, the attribute
+    owner: tuple[nn.Module, str] | None = field(  # the module holding it, the attribute
+        default=None, repr=False, metadata=unkeyed("where it is stored; its layout is the fields above"))
     flat: FlatUnit | None = field(default=None, repr=False)  # its unit's flat parameter, when it lives in one
     slot: FlatSlot | None = None                              # and its place there
 
@@ -192,14 +194,19 @@ class ShardedModel:
     axes: dict[str, AxisGroup]                        # every mesh axis of the plan, as c10d sees it
     flat: dict[str, FlatUnit] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
     collections: list = field(default_factory=list)   # its sharded embedding collections (SparseCollection)
-    explain: list = field(default_factory=list)       # one Explanation per compiled graph
-    preamble: list = field(default_factory=list)      # what explain prints first (objects with .format())
-    checkpointing: list = field(default_factory=list)  # the plan's checkpointed modules and notes (explain prints them)
-    dynamo_regions: Any = None  # the repeated units dynamo traces once, or why not (compiler.regions.RegionMarks)
-    eager_reads: dict = field(default_factory=dict)   # key -> where a frame run eagerly in a compiled call read it
-    sync_gradients: bool = True                       # False inside graphshard.no_sync: backward skips dp reductions
-    fed_locals: dict = field(default_factory=dict)    # id(local shard) -> its DTensor, during a compiled call
-                                                      # (`storage.feeding_local_shards`)
+    # what compiles and calls write, and what explain prints: not part of a stored program's key
+    explain: list = field(default_factory=list, metadata=unkeyed("written by compiles"))  # one report per compiled graph
+    preamble: list = field(default_factory=list, metadata=unkeyed("explain's first lines"))  # objects with .format()
+    checkpointing: list = field(  # the plan's checkpointed modules and notes (explain prints them)
+        default_factory=list, metadata=unkeyed("explain's lines; the checkpoint specs are keyed in plan"))
+    dynamo_regions: Any = field(  # the repeated units dynamo traces once, or why not (compiler.regions.RegionMarks)
+        default=None, metadata=unkeyed("decides the graph dynamo hands the backend, which aot_autograd keys"))
+    eager_reads: dict = field(  # key -> where a frame run eagerly in a compiled call read it
+        default_factory=dict, metadata=unkeyed("written by calls"))
+    sync_gradients: bool = field(  # False inside graphshard.no_sync: backward skips dp reductions
+        default=True, metadata=unkeyed("read per call by grad_sync.GradSync, not by the compile"))
+    fed_locals: dict = field(  # id(local shard) -> its DTensor, during a compiled call (`storage.feeding_local_shards`)
+        default_factory=dict, metadata=unkeyed("this call's tensors"))
 
     def __repr__(self) -> str:  # short: a backend bound to it (functools.partial) shows it in dynamo's errors
         return (f"ShardedModel(model_id={self.model_id}, {len(self.params)} parameters, units={list(self.units)}, "

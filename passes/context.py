@@ -11,6 +11,7 @@ from typing import Callable
 import torch.fx as fx
 
 from graphshard.config import CompileConfig
+from graphshard.fingerprint import unkeyed
 from graphshard.compiler.explain import GraphReport
 from graphshard.params import AxisGroup
 from graphshard.ops.rng import RandomDraws
@@ -37,17 +38,19 @@ class PassContext:
 
     config: CompileConfig
     models: tuple[ShardedModel, ...]        # the sharded models whose parameters or layouts the graph reads
-    params: dict[str, ShardedParam]         # their parameters, by the key a marker carries
+    params: dict[str, ShardedParam] = field(  # their parameters, by the key a marker carries
+        metadata=unkeyed("the models' own parameters, keyed in models"))
     model_parallel: dict[str, AxisGroup]    # model-parallel mesh axes by name
     group_axes: dict[str, str]              # mesh axis name -> c10d group name
     meshes: dict                            # model-parallel mesh axis -> its 1-D DeviceMesh (DTensor outputs)
     sparse: dict                            # embedding-collection key -> its SparseCollection on this rank
     input_units: list                       # per graph input: the unit of the parameter shard it is, or None
     input_requires_grad: list               # per graph input: whether it requires grad
-    fake_mode: object
-    graph_index: int
+    fake_mode: object = field(metadata=unkeyed("this compile's fake tensors: aot_autograd keys the inputs' fakes"))
+    graph_index: int = field(metadata=unkeyed("names dumps and explain's reports"))
     # ---- what passes and the backend record as the compile goes ----
-    report: GraphReport
+    report: GraphReport = field(metadata=unkeyed("what the compile writes for explain"))
     random: RandomDraws | None = None  # set by localize_random: the graph then reads a key and coordinates per call
-    stage: str = "pre_autograd"        # set by the backend: which graph the post-partition passes are on
-    dump_counter: collections.Counter = field(default_factory=collections.Counter)
+    stage: str = field(  # set by the backend: which graph the post-partition passes are on
+        default="pre_autograd", metadata=unkeyed("set as the compile goes; the key is taken before aot_autograd"))
+    dump_counter: collections.Counter = field(default_factory=collections.Counter, metadata=unkeyed("dump files' numbers"))

@@ -555,7 +555,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
             if not use_cache:
                 return compiled_fn
             return program_cache.StageProgram(stage, lowered, compiled_fn, by_group=by_group, backward=kept,
-                                              report=added.take(), seconds=time.perf_counter() - start)
+                                              report=added.take(), seconds=time.perf_counter() - start,
+                                              signature=program_cache.signature(inputs))
 
         return compile_graph
 
@@ -565,7 +566,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         fn = stored.lowered
         if stored.backward is not None:
             fn = grad_sync.GradSync(fn, lambda: _stored_backward(stored, ctx), ctx.models, lower_variant)
-        stored.run = checked(fn, stored.by_group if collective_check.enabled(config) else None, stored.stage)
+        fn = checked(fn, stored.by_group if collective_check.enabled(config) else None, stored.stage)
+        stored.run = program_cache.verified(fn, stored.signature, stored.stage, ctx.report.index)
 
     decomps = dict(decompositions())
     if config.lower == "inductor":
@@ -575,8 +577,7 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
     if use_cache:
         fw_compiler = _compat.serializable_compiler(program_cache.StageProgram, fw_compiler)
         bw_compiler = _compat.serializable_compiler(program_cache.StageProgram, bw_compiler)
-        tag = program_cache.key_tag(gm, config, ctx.input_units, ctx.group_axes, ctx.model_parallel,
-                                    _process_rank())
+        tag = program_cache.key_tag(gm, ctx, _process_rank())
         settings = _compat.program_cache_settings(f"{user_tag}/{tag}" if user_tag else tag,
                                                   program_cache.CACHEABLE_FUNCTIONS)
         outcome = program_cache.Outcome()

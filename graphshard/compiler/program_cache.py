@@ -10,9 +10,9 @@ the partitioner and the compilers: the lowered programs come back with their com
 collective check, ``no_sync``'s programs) is rebuilt from the data stored with them.
 
 The key is aot_autograd's (the graph graphshard hands it, its inputs, torch's and Inductor's
-settings) plus `key_tag`: what aot_autograd's key leaves out and graphshard's partitioner and
-passes read (node metadata, the compile config, the units and process groups of the inputs) and
-graphshard's own source. What is still done in a second process, and why: dynamo (its guards
+settings) plus `key_tag`: the record the compile reads (the pass context with the sharded models,
+walked field by field: `graphshard.fingerprint`), node metadata, rank and world, and graphshard's
+own source. A loaded program checks its inputs at its first call (`verified`). What is still done in a second process, and why: dynamo (its guards
 are the process's own), the trace to ATen and the pre-autograd passes (the key is computed from
 their result), and the outline of repeated blocks (it rewrites the graph the key is taken of).
 """
@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from graphshard import _compat
+from graphshard import _compat, fingerprint
 from graphshard.compiler.explain import GraphReport
 from graphshard.compiler.inductor_cpu import ISA_SPLIT_NOTE
 from graphshard.compiler.outline import BODY
@@ -87,18 +87,25 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def key_tag(gm: fx.GraphModule, config, input_units: list, group_axes: dict[str, str],
-            model_parallel: dict, rank: tuple[int, int] | None) -> str:
-    """What aot_autograd's key leaves out of a program graphshard compiles: each node's metadata
-    (recompute tags, trace-once marks, placements: ``GraphModule`` pickles without it), the
-    compile config, the unit of each input and the process group of each axis (the scheduling and
-    ``no_sync`` read them), the process's (rank, world size), graphshard's source and this module's
-    `VERSION`. The rank, because ranks whose forward graphs are the same may differentiate them into
-    different backwards: gloo's reduce-scatter is an all-to-all whose split sizes are the rank's
-    (an HF Llama under FSDP: rank 1 loaded rank 0's backward, and the collective check stopped it)."""
+def key_tag(gm: fx.GraphModule, ctx, rank: tuple[int, int] | None) -> str:
+    """What aot_autograd's key leaves out of a program graphshard compiles, taken of the record the
+    compile reads: the pass context (`passes.context.PassContext`: the compile config, the sharded
+    models with every parameter's logical size, dtype, placements, mesh, unit and unit spec, the plan,
+    the axes with their process groups, backends and collective forms, the embedding collections,
+    the units and grad modes of the inputs), walked field by field (`graphshard.fingerprint`: a
+    field is keyed unless declared unkeyed with the reason, and a value of an unknown type is an
+    error); each node's metadata (recompute tags, trace-once marks, placements: ``GraphModule``
+    pickles without it); the process's (rank, world size); torch's version, graphshard's source and
+    this module's `VERSION`.
+
+    The graph alone does not fix the program: graphshard's ops carry parameter keys, and their
+    decompositions read the parameter's record while aot_autograd traces (its reduction dtype, its
+    collective form, its logical size), which happens only when the cache misses. The rank, because
+    ranks whose forward graphs are the same may differentiate them into different backwards: gloo's
+    reduce-scatter is an all-to-all whose split sizes are the rank's."""
     h = hashlib.sha256()
-    h.update(f"{VERSION}|{source_digest()}|{config!r}|{input_units!r}|{sorted(group_axes.items())!r}|{rank}|".encode())
-    h.update(repr(sorted((name, axis.group_name) for name, axis in model_parallel.items())).encode())
+    h.update(f"{VERSION}|{source_digest()}|{torch.__version__}|{rank}|".encode())
+    h.update(repr(fingerprint.canonical(ctx, "the pass context")).encode())
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             for n in module.graph.nodes:
@@ -153,16 +160,19 @@ class StageProgram(_compat.output_code_base()):
     * ``by_group``: the collective check's fingerprint (`collective_check.fingerprint`), or None;
     * ``backward``: the partitioned backward graph, kept when ``no_sync`` may derive programs from
       it (stored as bytes, loaded on ``no_sync``'s first use);
-    * ``report``: what the stage's compile added to explain's report (`ReportDelta`).
+    * ``report``: what the stage's compile added to explain's report (`ReportDelta`);
+    * ``signature``: the shape and dtype of each input it was compiled for (`signature`), which a
+      loaded program checks at its first call (`verified`).
 
     ``run`` is the program with graphshard's wrappers; a loaded one gets them again from the
     compile that loads it (`loading`)."""
 
     def __init__(self, stage: str, lowered: Callable, run: Callable, *, by_group: dict | None,
-                 backward: fx.GraphModule | None, report: dict[str, Any], seconds: float):
+                 backward: fx.GraphModule | None, report: dict[str, Any], seconds: float, signature: list):
         if _compat.HAS_PROGRAM_CACHE:
             super().__init__()
         self.stage, self.lowered, self.by_group, self.backward, self.report = stage, lowered, by_group, backward, report
+        self.signature = signature
         self.run = run
         self._boxed_call = True
         self._time_taken_ns = int(seconds * 1e9)  # the compile a load saves (aot_autograd's cache statistics)
@@ -195,6 +205,55 @@ class StageProgram(_compat.output_code_base()):
         if isinstance(self.backward, bytes):
             self.backward = _compat.graph_from_bytes(self.backward)
         return self.backward
+
+
+def signature(inputs) -> list:
+    """Each of a stage's inputs as (shape, dtype), a symbolic size as None; None for a non-tensor."""
+    out = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            out.append((tuple(d if isinstance(d, int) else None for d in x.shape), str(x.dtype)))
+        else:
+            out.append(None)
+    return out
+
+
+class StaleProgram(RuntimeError):
+    """A program loaded from the cache was fed inputs other than those it was compiled for."""
+
+
+def verified(fn: Callable, expected: list, stage: str, graph: int) -> Callable:
+    """``fn`` (a loaded program, boxed), refusing at its first call to run on inputs whose shapes
+    or dtypes are not those it was compiled for (`signature`). The key should make that impossible;
+    this is the cheap check that a stale entry cannot train in its place. Later calls pay a flag test:
+    dynamo's guards keep the inputs' shapes and dtypes."""
+    pending = True
+
+    def run(inputs: list):
+        nonlocal pending
+        if pending:
+            got = signature(inputs)
+            bad = next((i for i, (g, e) in enumerate(zip(got, expected)) if not _fits(g, e)), None)
+            if len(got) != len(expected) or bad is not None:
+                what = (f"{len(got)} inputs where it was compiled for {len(expected)}" if bad is None else
+                        f"input {bad} as {got[bad]} where it was compiled for {expected[bad]}")
+                raise StaleProgram(
+                    f"graphshard: the {stage} program of graph {graph} loaded from torch's AOTAutogradCache was fed "
+                    f"{what} (shape, dtype): the stored program was compiled for another model or setting and its "
+                    "key did not tell them apart. Report it; meanwhile compile with program_cache=False or clear "
+                    "the Inductor cache (TORCHINDUCTOR_CACHE_DIR)")
+            pending = False
+        return fn(inputs)
+
+    run._boxed_call = True
+    return run
+
+
+def _fits(got, expected) -> bool:
+    if got is None or expected is None:
+        return got is expected
+    (gs, gd), (es, ed) = got, expected
+    return gd == ed and len(gs) == len(es) and all(e is None or g == e for g, e in zip(gs, es))
 
 
 def stored_steps(program: list[tuple]) -> list[tuple]:

@@ -72,6 +72,8 @@ class SparseCollection:
     table name (they stay where they are). ``fused_params``: fbgemm's optimizer keywords.
     """
 
+    __unkeyed__ = {"tbes": "the kernels' modules, built from the layout, plan and fused_params (keyed)"}
+
     def __init__(self, layout: CollectionLayout, weights: dict[str, torch.Tensor], dp_params: dict[str, nn.Parameter],
                  fused_params: dict, bounds_check: bool = True, need_indices: bool = False,
                  inits: dict[str, tuple[float, float]] | None = None):
