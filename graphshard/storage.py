@@ -68,11 +68,14 @@ def _check_process_group(plan: Plan) -> None:
         )
 
 
-def shard(model: nn.Module, plan: Plan) -> nn.Module:
+def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> nn.Module:
     """Shards ``model``'s parameters in place according to ``plan`` and returns it.
 
     The result runs eagerly (each parameter gathered at use: a debugging path)
     and compiles with ``torch.compile(model, backend="graphshard")``.
+    ``cast_forward_inputs``: a unit whose spec has a ``param_dtype`` casts the floating-point tensors
+    its forward is called with to it, as FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)``
+    does (FSDP1's frontend casts by its own ``MixedPrecision`` flags and turns this off).
     """
     _check_process_group(plan)
     if state_of(model) is not None:
@@ -143,6 +146,12 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
             for unit, keys in units.items() if getattr(records[keys[0]].layout.unit_spec, "flat_params", False)}
     tp_axis = plan.tp_axis
     checkpoints = resolution.checkpoints
+    casts = {}
+    if cast_forward_inputs:
+        for unit, keys in units.items():
+            dtype = getattr(records[keys[0]].layout.unit_spec, "param_dtype", None)
+            if dtype is not None:
+                casts[id(modules[unit])] = dtype
     for mod in model.modules():  # modules() deduplicates shared modules
         names = {}
         for pname, p in list(mod._parameters.items()):
@@ -158,8 +167,9 @@ def shard(model: nn.Module, plan: Plan) -> nn.Module:
         io = resolution.io.get(id(mod))
         bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
         spec = checkpoints.get(id(mod))
-        if names or bound is not None or spec is not None or mod is model:
-            _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec)
+        cast = casts.get(id(mod))
+        if names or bound is not None or spec is not None or cast is not None or mod is model:
+            _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec, cast=cast)
     state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups, flat=flat,
                          collections=list(collections), checkpointing=_checkpointing(model, resolution))
     sharding.register(state)
@@ -312,10 +322,11 @@ class _BoundIO:
 
 
 def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | None, root: bool,
-             checkpoint: Checkpoint | None = None) -> None:
+             checkpoint: Checkpoint | None = None, cast: torch.dtype | None = None) -> None:
     """Swaps ``mod``'s class for a subclass whose parameter attributes go through the marker and
-    whose forward applies the declared activation layouts, runs under activation checkpointing
-    (a plan's `Checkpoint`) and, on the root, tracks forward depth.
+    whose forward casts its floating inputs to its unit's ``param_dtype`` (``cast``), applies the
+    declared activation layouts, runs under activation checkpointing (a plan's `Checkpoint`) and,
+    on the root, tracks forward depth.
     The module keeps, per attribute, what its getter needs: the marker's key and dtype (plain
     values, cheap for dynamo to guard on), or the parameter's record when it lives in a flat unit."""
     cls = type(mod)
@@ -329,7 +340,10 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
         mod._graphshard_root = True
     if checkpoint is not None:
         mod._graphshard_checkpoint = checkpoint
-    wraps_forward = any(k in mod.__dict__ for k in ("_graphshard_io", "_graphshard_root", "_graphshard_checkpoint"))
+    if cast is not None:
+        mod._graphshard_cast = cast
+    wraps_forward = any(k in mod.__dict__ for k in ("_graphshard_io", "_graphshard_root", "_graphshard_checkpoint",
+                                                    "_graphshard_cast"))
     cache_key = (base, frozenset(markers), frozenset(flat), wraps_forward)
     sub = None if root else _subclass_cache.get(cache_key)
     if sub is None:
@@ -355,6 +369,9 @@ def _install(mod: nn.Module, *, params: dict[str, ShardedParam], io: _BoundIO | 
 
 def _wrapped_forward(base: type, own_code: bool = False):
     def forward(self, *args, **kwargs):
+        cast = self.__dict__.get("_graphshard_cast")
+        if cast is not None:  # the unit's param_dtype: FSDP2's cast_forward_inputs
+            args, kwargs = _cast_floating(args, cast), _cast_floating(kwargs, cast)
         io = self.__dict__.get("_graphshard_io")
         if io is not None:
             args, kwargs = io.inputs(args, kwargs)
@@ -368,6 +385,18 @@ def _wrapped_forward(base: type, own_code: bool = False):
         return out if io is None else io.outputs(out)
 
     return _own_code(forward, base) if own_code else forward
+
+
+def _cast_floating(tree, dtype: torch.dtype):
+    """``tree`` (a forward's args or kwargs: tensors in tuples, lists and dicts) with its floating-point
+    tensors cast to ``dtype``; integer tensors and other values as they are (FSDP2's ``_cast_fp_tensor``)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(dtype) if torch.is_floating_point(tree) and tree.dtype != dtype else tree
+    if isinstance(tree, (tuple, list)) and not hasattr(tree, "_fields"):
+        return type(tree)(_cast_floating(t, dtype) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _cast_floating(v, dtype) for k, v in tree.items()}
+    return tree
 
 
 def _own_code(fn: types.FunctionType, owner: type) -> types.FunctionType:

@@ -205,3 +205,23 @@ def test_state_dict_of_local_shapes_is_an_error_naming_the_key():
                                          r"\(8, 16\), and the compiled model's parameter there is a sharded DTensor of "
                                          r"shape \(32, 16\).*set_model_state_dict"):
         model.load_state_dict(local)
+
+
+# ---- g. param_dtype units fed fp32 inputs ----
+
+def test_bf16_units_cast_their_floating_inputs_and_leave_integers():
+    from graphshard.testing.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP(16, 32, 8)
+    graphshard.compile(model, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(param_dtype=torch.bfloat16)}),
+                       lower="eager")
+    out = model(torch.randn(4, 16))  # fp32 in: failed inside the compiled code ("mat1 and mat2 ... same dtype")
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert model.fc1.weight.grad.dtype == torch.float32  # fp32 parameters and gradients, as FSDP2
+    from graphshard.storage import _cast_floating
+
+    ints, floats = torch.arange(3), torch.ones(2, dtype=torch.float64)
+    cast = _cast_floating(((ints, [floats]), {"k": floats}), torch.bfloat16)
+    assert cast[0][0] is ints and cast[0][1][0].dtype == torch.bfloat16 and cast[1]["k"].dtype == torch.bfloat16

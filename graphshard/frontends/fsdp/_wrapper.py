@@ -122,7 +122,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 low_precision_grads[fqn] = unit_mp.param_dtype
         plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()},
                     ignored_params=_ignored_globs(module, *ignored))
-        shard(module, plan)
+        shard(module, plan, cast_forward_inputs=False)  # FSDP1 casts inputs by its own MixedPrecision flags (forward)
         state = state_of(module)
         if not state.units:
             raise ValueError(f"{type(module).__name__} has no parameters to shard; FullyShardedDataParallel needs some")
