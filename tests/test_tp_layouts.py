@@ -179,10 +179,10 @@ REFUSED = {
     # dynamo recompiles with a symbolic row count, which graphshard refuses for a sharded dim.
     "refuse_dynamic_rows": ("NotImplementedError", "is declared Shard(0) at module 'net1' input 0 (input_layouts), "
                                                    "and its dim 0 has a dynamic size"),
-    # 9 rows, passed as 5 and 4: the ranks' programs differ, and the collective check stops them
-    # before the first collective. Torch's TP is not run: gloo aborts its process on the size
-    # mismatch of its all-gather (torch's from_local takes pieces as even).
-    "refuse_uneven_rows": ("CollectiveMismatch", "rank 0: all_gather(float32[5,10]"),
+    # 9 rows, passed as 5 and 4: the collective check's per-call comparison of the tp group's inputs
+    # stops every rank before the first collective. Torch's TP is not run: gloo aborts its process on
+    # the size mismatch of its all-gather (torch's from_local takes pieces as even).
+    "refuse_uneven_rows": ("CollectiveMismatch", "rank 0: ((float32[5,10]),{})"),
 }
 TORCH_NOT_RUN = {"refuse_uneven_rows"}
 
