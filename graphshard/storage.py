@@ -34,6 +34,7 @@ from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
 _subclass_cache: dict[tuple, type] = {}
+_model_names: dict[int, str] = {}  # model id -> its root's class name, for the messages of frames run eagerly
 
 log = logging.getLogger("graphshard")
 
@@ -174,6 +175,7 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
                          collections=list(collections), checkpointing=_checkpointing(model, resolution))
     sharding.register(state)
     model._graphshard = state
+    _model_names[model_id] = type(model).__name__
     for p, fqn in replaced_params:  # an optimizer built over the old parameters stops at its step (`replaced`)
         replaced.remember(p, fqn, type(model).__name__)
     return model
@@ -184,8 +186,8 @@ def loading_full_tensors(model: nn.Module) -> None:
     ``set_model_state_dict(..., StateDictOptions(full_state_dict=True))`` does: a load-state-dict pre-hook
     (torch's public per-module hook) replaces each plain tensor under a sharded parameter's key, of the
     parameter's logical shape, by its DTensor, split on each rank (every rank loads the same full state
-    dict). A plain tensor of another shape is an error naming the key and both shapes (torch would fail
-    with ``mixed torch.Tensor and DTensor``)."""
+    dict), where torch would fail with ``mixed torch.Tensor and DTensor``. A plain tensor of another shape
+    is left to torch's own error, which names the key and both shapes."""
     state = state_of(model)
 
     def hook(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
@@ -198,12 +200,7 @@ def loading_full_tensors(model: nn.Module) -> None:
                 if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
                     continue
                 if tuple(value.shape) != tuple(info.logical_shape):
-                    raise ValueError(
-                        f"state dict key {key!r} holds a torch.Tensor of shape {tuple(value.shape)}, and the compiled "
-                        f"model's parameter there is a sharded DTensor of shape {tuple(info.logical_shape)}: load a "
-                        "full state dict (the single-process model's, every tensor whole) or the one the compiled "
-                        "model's state_dict() gives (DTensors), e.g. through torch.distributed.checkpoint.state_dict."
-                        "set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True))")
+                    continue  # torch names the key and both shapes ("size mismatch for ...") and loads nothing
                 local = info.local()
                 with torch.no_grad():
                     state_dict[key] = _distribute(value.detach().to(device=local.device), info, state.plan,
@@ -507,7 +504,7 @@ def _record_eager_read(model: ShardedModel, key: str, reader: types.FrameType) -
                     "graph (dynamo skipped the frame or was told not to trace it; TORCH_LOGS=graph_breaks says "
                     "why). Its parameters are gathered whole at each read and their gradients reduced eagerly; "
                     "explain lists every such region", f"unit {unit!r}" if unit is not None else repr(info.fqn),
-                    f"model m{model.model_id}", where, info.fqn)
+                    f"{_model_names.get(model.model_id, 'the model')} (model m{model.model_id})", where, info.fqn)
 
 
 def in_forward() -> bool:

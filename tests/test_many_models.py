@@ -64,3 +64,27 @@ def test_a_call_dynamo_runs_eagerly_is_logged_and_explained(caplog):
     with caplog.at_level(logging.WARNING, logger="graphshard"), torch.compiler.set_stance("force_eager"):
         model(x).sum().backward()
     assert sum("ran its forward eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_frame_dynamo_skips_inside_a_compiled_call_is_logged_naming_the_model(caplog):
+    from graphshard.testing.models import MLP
+
+    class Skipping(MLP):
+        @torch.compiler.disable
+        def head(self, h):  # a frame dynamo does not trace: runs eagerly, reading fc2 gathered
+            return self.fc2(h)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    model = graphshard.compile(Skipping(16, 32, 8), graphshard.Plan(mesh1d("dp"), {"fc2": graphshard.FullyShard(),
+                                                                                 "": graphshard.FullyShard()}),
+                               lower="eager")
+    with caplog.at_level(logging.WARNING, logger="graphshard"):
+        model(torch.randn(4, 16)).sum().backward()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("unit 'fc2' of Skipping (model m" in m and "runs eagerly inside the compiled model" in m
+               for m in messages), messages
+    text = graphshard.explain(model)
+    assert "fallbacks (model): eager regions" in text and "unit 'fc2': 2 parameter(s)" in text

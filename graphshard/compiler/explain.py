@@ -270,7 +270,7 @@ def _eager_regions(state) -> list[str]:
         info = state.params[key]
         name = f"unit {info.layout.unit!r}" if info.layout.unit is not None else repr(info.fqn)
         by_unit.setdefault(name, []).append(f"{info.fqn} in {where}")
-    lines = ["eager regions (frames run without compiling inside the compiled call: each parameter gathered "
+    lines = ["fallbacks (model): eager regions (frames run without compiling inside the compiled call: each parameter gathered "
              "whole at its read, its gradient reduced eagerly; TORCH_LOGS=graph_breaks says why dynamo skipped them):"]
     lines += [f"  {name}: {len(reads)} parameter(s), first {reads[0]}" for name, reads in by_unit.items()]
     return lines
