@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch.nn as nn
 
-from graphshard.compiler import regions
+from graphshard.compiler import collective_check, regions
 from graphshard.compiler.backend import make_backend
 from graphshard.config import CompileConfig
 from graphshard.compiler.explain import explain, noting_eager_calls, timing_compiles
@@ -72,7 +72,9 @@ def compile_sharded(module: nn.Module, root: nn.Module, config: CompileConfig) -
     _compat.wrap_compiled_call(module, counting_compiled_calls)  # frames dynamo skips read parameters gathered
     if state.dynamo_regions:
         _compat.wrap_compiled_call(module, regions.retrying_unmarked(state.dynamo_regions, lambda: len(state.explain)))
-    _compat.wrap_compiled_call(module, timing_compiles(state.explain))  # outermost: a retried trace counts too
+    _compat.wrap_compiled_call(module, timing_compiles(state.explain))  # a retried trace counts too
+    if agreeing := collective_check.agreeing_inputs(state, config):  # outermost: before any program runs
+        _compat.wrap_compiled_call(module, agreeing)  # model-parallel ranks compare each call's input shapes
     return module
 
 

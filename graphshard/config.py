@@ -66,7 +66,9 @@ class CompileConfig:
     issue different ones (a rank-dependent branch, another plan or shape) raises an error naming
     the first that differs, on every rank, instead of hanging the job. No collective is used and
     every wait is bounded (``graphshard.compiler.collective_check``); ``explain`` prints its cost
-    (a store round trip per process group and peer, once per program)."""
+    (a store round trip per process group and peer, once per program). With a model-parallel axis,
+    every call also compares its inputs' shapes over each model-parallel group (a store round trip
+    per call), so a rank fed another batch at any step stops the same way."""
     trace_once: bool = True
     """Trace, differentiate and partition each distinct repeated unit once: units whose per-rank
     programs are identical (a model's repeated blocks) are outlined into one shared body for

@@ -51,7 +51,7 @@ def test_a_missing_collective_is_named_with_each_side():
     assert "rank 1: all_gather(float32[8], 2) from node 'ag1', net.py:9 forward: y = self.b(x)" in text, text
 
 
-CASES = ("branch", "plan", "shape", "same", "break", "break_branch", "late")
+CASES = ("branch", "plan", "shape", "same", "break", "break_branch", "late", "shape_later", "shape_dynamic")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def results():
 def test_nothing_hangs(results):
     assert set(results) == {*CASES, "_seconds"}, sorted(results)
     assert results["_seconds"] < 300, results["_seconds"]  # seven cases, compiles included; a hang is 60 s each
-    for case in ("branch", "plan", "shape", "break_branch"):
+    for case in ("branch", "plan", "shape", "break_branch", "shape_later", "shape_dynamic"):
         assert results[case]["seconds"] < 30, (case, results[case]["seconds"])
 
 
@@ -87,12 +87,17 @@ def test_a_rank_with_another_plan_is_caught(results):
 
 
 @pytest.mark.multirank
-def test_a_rank_with_another_shape_is_caught(results):
-    errors = results["shape"]["errors"]
+@pytest.mark.parametrize("case", ["shape", "shape_later", "shape_dynamic"])
+def test_a_rank_fed_another_shape_under_tp_is_caught_on_every_rank_at_any_step(results, case):
+    # the first step, a later step whose new size only one rank recompiles for, and a program whose batch
+    # size is symbolic (one program, sizes that differ by rank: gloo aborted the job before): every rank
+    # raises the same CollectiveMismatch before the call's first collective, naming both ranks' inputs
+    errors = results[case]["errors"]
     assert all(errors) and len(set(errors)) == 1, errors
     text = errors[0]
-    assert "all_reduce(float32[4,8], sum) from node 'all_reduce'" in text, text
-    assert "all_reduce(float32[6,8], sum) from node 'all_reduce'" in text, text
+    rows = {"shape": (4, 6), "shape_later": (4, 6), "shape_dynamic": (5, 7)}[case]
+    assert "ranks 0 and 1 of the model-parallel axis 'tp'" in text and "inputs of other shapes" in text, text
+    assert f"rank 0: ((float32[{rows[0]},8]),{{}})" in text and f"rank 1: ((float32[{rows[1]},8]),{{}})" in text, text
 
 
 @pytest.mark.multirank
@@ -138,3 +143,14 @@ def test_a_recompile_a_peer_makes_later_is_waited_for(results):
     assert not any(r["errors"]), r["errors"]
     headers = [line for line in r["explain"].splitlines() if line.startswith("graph ")]
     assert [h.rsplit(", compile ", 1)[1] for h in headers] == ["0):", "1):"], headers
+
+
+@pytest.mark.multirank
+def test_model_parallel_ranks_compare_every_calls_inputs_and_explain_prints_the_cost(results):
+    # the TP model of the late case: two calls, each compared over the tp group
+    text = results["late"]["explain"]
+    line = next((l for l in text.splitlines() if "every call's input shapes compared" in l), None)
+    assert line is not None, text
+    assert "over the model-parallel group(s) 'tp': 2 calls" in line and "ms a call" in line, line
+    # data-parallel ranks each feed their own batch: nothing is compared per call there
+    assert "every call's input shapes" not in results["same"]["explain"], results["same"]["explain"]

@@ -20,6 +20,11 @@ user's source line where the node has a stack trace).
   of waiting for a compile the peer will not do. Where those differ, the peer may be making the
   same recompile later: the rank then waits (bounded) for the peer's compile and compares with it.
 
+A model with a model-parallel axis also compares, at every call, the shapes of the call's tensor
+inputs over each model-parallel group (`agreeing_inputs`): the activations' collectives there are
+as large as the inputs, and a rank fed another batch at a later step would otherwise reach them
+unchecked (a symbolic-size program) or alone (a recompile its peer does not make).
+
 On by default; ``CompileConfig(check_collectives=False)`` turns it off. ``explain`` prints what was
 compared and what the first call spent on it.
 """
@@ -294,6 +299,105 @@ def _compare(group: str, stage: str, me: tuple[int, int], mine: list[Entry], the
             "Every rank of a group must run the same program: look for a branch on the rank, a plan or model built "
             "differently on one rank, or inputs of another shape. Nothing was issued; the job would have hung in it."
         )
+
+
+def agreeing_inputs(model, config) -> Callable[[Callable], Callable] | None:
+    """A wrapper of a sharded model's compiled call under which, at every call, the ranks of each of its
+    model-parallel groups compare the shapes and dtypes of the call's tensor inputs before any program
+    runs; None where there is nothing to compare (no model-parallel axis, the check off, one rank).
+
+    Why every call: on a model-parallel axis the activations' collectives are as large as the inputs,
+    so a rank fed another batch at step 7 would issue collectives of other sizes. The first-run check
+    cannot see it: a program whose sizes are symbolic runs unchanged on the new size, and a rank whose
+    guard fails recompiles alone while its peer, with nothing new, is already inside the collective.
+    Only a comparison every rank makes at every call ends on every rank; it is a store round trip per
+    group and call (three requests: post, wait, read; `explain` prints its cost), made where the data
+    is the collectives' size, not on data-parallel groups (each rank feeds its own batch there)."""
+    if not enabled(config):
+        return None
+    groups = []
+    for axis in model.plan.model_parallel_axes:
+        group = model.axes[axis]
+        if group.world > 1 and group.group_name not in {g for g, _ in groups}:
+            groups.append((group.group_name, axis))
+    if not groups:
+        return None
+    agreement = _InputAgreement(f"m{model.model_id}", groups)
+    model.preamble.append(agreement)
+
+    def wrap(call: Callable) -> Callable:
+        def compiled_call(*args, **kwargs):
+            agreement.check(args, kwargs)
+            return call(*args, **kwargs)
+
+        return compiled_call
+
+    return wrap
+
+
+class _InputAgreement:
+    """`agreeing_inputs`' per-call comparison, and its cost for ``explain`` (a preamble line)."""
+
+    def __init__(self, model: str, groups: list[tuple[str, str]]):
+        self.model, self.groups = model, groups
+        self.calls = 0
+        self.seconds = 0.0  # the comparisons' own time
+        self.waited = 0.0   # of which spent waiting for a peer to reach the call (its step takes that long anyway)
+
+    def check(self, args, kwargs) -> None:
+        t0 = time.perf_counter()
+        n = self.calls
+        self.calls += 1
+        mine = _input_shapes((args, kwargs))
+        store, rank = _compat.default_store(), dist.get_rank()
+        for group, axis in self.groups:
+            peers = [r for r in _compat.group_ranks(group) if r != rank]
+            base = f"{PREFIX}/calls/{group}/{_model_on_group(group, self.model)}"
+            store.set(f"{base}/{n}/{rank}", mine)
+            keys = [f"{base}/{n}/{peer}" for peer in peers]
+            waiting = time.perf_counter()
+            try:
+                store.wait(keys, store.timeout)
+            except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
+                raise CollectiveMismatch(
+                    f"graphshard: a rank of the {axis!r} group did not reach call {n} of model {self.model} within "
+                    f"{store.timeout.total_seconds():.0f} s (the process group's timeout); rank {rank} stops before "
+                    "the call's first collective") from e
+            finally:
+                self.waited += time.perf_counter() - waiting
+            for peer, theirs in zip(peers, store.multi_get(keys)):
+                theirs = theirs.decode()
+                if theirs != mine:
+                    lo, hi = sorted((rank, peer))
+                    side = {rank: mine, peer: theirs}
+                    raise CollectiveMismatch(
+                        f"graphshard: ranks {lo} and {hi} of the model-parallel axis {axis!r} (process group "
+                        f"{group!r}) called model {self.model} (call {n}) with inputs of other shapes:\n"
+                        f"  rank {lo}: {side[lo]}\n  rank {hi}: {side[hi]}\n"
+                        f"Ranks of a {axis!r} group compute one tensor together and must be fed the same shapes "
+                        "(torch's tensor parallelism needs the same); the collectives would differ in size. Nothing "
+                        "was issued.")
+            if n:
+                store.delete_key(f"{base}/{n - 1}/{rank}")  # every peer has read it: each posted call n after
+        self.seconds += time.perf_counter() - t0
+
+    def format(self) -> str:
+        calls = max(self.calls, 1)
+        groups = ", ".join(f"{axis!r}" for _, axis in self.groups)
+        return (f"collective check: every call's input shapes compared over the model-parallel group(s) {groups}: "
+                f"{self.calls} calls, {(self.seconds - self.waited) / calls * 1e3:.2f} ms a call, besides "
+                f"{self.waited / calls * 1e3:.2f} ms a call waiting for peers to reach it")
+
+
+def _input_shapes(value) -> str:
+    """The tensors in a call's arguments, in order, as ``dtype[d0,d1]``; other values as their type."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
+    if isinstance(value, (list, tuple)):
+        return "(" + ",".join(_input_shapes(v) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_input_shapes(v)}" for k, v in value.items()) + "}"
+    return type(value).__name__ if value is not None else "None"
 
 
 def enabled(config) -> bool:

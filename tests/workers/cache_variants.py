@@ -97,7 +97,8 @@ def train(setting: dict, **compile_options) -> dict:
             losses=losses, loss_err=seq_err(losses, ref_losses),
             param_err=worst(tensor_err(params[n], p) for n, p in ref.named_parameters()),
             params={n: t.flatten().tolist() for n, t in params.items()},
-            collectives=[line.strip() for line in graphshard.explain(model).splitlines()
+            # rank 0's only: explain also prints, and another rank's print could split rank 0's RESULT line
+            collectives=[line.strip() for line in (graphshard.explain(model) if rank == 0 else "").splitlines()
                          if line.strip().startswith(("all_gather", "all_to_all", "reduce_scatter", "all_reduce"))],
             notes=[n for r in storage.state_of(model).explain for n in r.notes if n.startswith("program cache")])
     except Exception as e:  # a setting that fails fresh must fail the same way loaded

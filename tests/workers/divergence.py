@@ -14,6 +14,12 @@ reports what each rank raised (rank 1's message reaches rank 0 through the store
   graph is compared with the same frame's same compile on the peer, and the check passes;
 - ``break_branch``: the same graph break, with rank 1's extra unit after it: caught in the
   resume function's program, which the error names;
+- ``shape_later``: tensor parallelism, three steps alike, then rank 1 fed 6 rows where rank 0 is fed
+  4: rank 1 alone recompiles, rank 0 has nothing new to compile (caught by the per-call input check,
+  on every rank);
+- ``shape_dynamic``: tensor parallelism, two steps of 4 then 6 rows on every rank (dynamo compiles a
+  program whose batch size is symbolic), then 5 rows on rank 0 and 7 on rank 1: one program, sizes
+  that differ by rank (before the per-call check, gloo aborted the job in the all-reduce);
 - ``late``: tensor parallelism, a second step with a batch of 1 on every rank (dynamo specializes
   size 1, so the new graph's sizes are static), rank 0 3 s
   after rank 1: rank 1's recompile first meets rank 0's first compile (another all-reduce size),
@@ -63,7 +69,7 @@ def _mesh():
 
 def build(case: str, rank: int):
     torch.manual_seed(0)
-    if case in ("shape", "late"):
+    if case in ("shape", "late", "shape_later", "shape_dynamic"):
         model = Net(False)
         plan = graphshard.Plan(init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",)), {
             "a": graphshard.ShardParams("tp", weight=Shard(0), bias=Shard(0)),
@@ -84,6 +90,12 @@ def run(case: str) -> dict:
     t0 = time.perf_counter()
     error = ""
     try:
+        if case in ("shape_later", "shape_dynamic"):  # the steps before the mismatch: every rank alike
+            for rows in ((4, 4, 4) if case == "shape_later" else (4, 6)):
+                model(torch.randn(rows, 8)).sum().backward()
+            t0 = time.perf_counter()
+            rows = 4 + 2 * rank if case == "shape_later" else 5 + 2 * rank
+            x = torch.randn(rows, 8)
         model(x).sum().backward()
         if case in ("break", "late"):  # another batch size: every frame compiles again, on every rank
             if case == "late" and rank == 0:

@@ -113,7 +113,8 @@ def run(case: str) -> dict:
         "cache": {k: after[k] - before[k] for k in after},
         "notes": [n for r in reports for n in r.notes if n.startswith(("program cache", "no_sync"))],
         "phases": sorted({k for r in reports for k in r.compile_seconds}),
-        "explain": graphshard.explain(model),
+        # rank 0's only: explain also prints, and another rank's print could split the RESULT line rank 0 prints
+        "explain": graphshard.explain(model) if rank == 0 else "",
     }
 
 
