@@ -147,7 +147,7 @@ MATCHED = [
     # SequenceParallel: sequence_dim 1 and 0, use_local_output False (DTensor) and True
     "sp_dt", "sp_local", "sp_dim0_local",
     # PrepareModuleInput: input_layouts -> desired_input_layouts, use_local_output, input_kwarg_layouts
-    "pmi_s0_r_dt", "pmi_s0_r_local", "pmi_r_r", "pmi_s0_s0_local", "pmi_r_s0_dt", "pmi_s1_r_local", "pmi_kwarg",
+    "pmi_s0_r_dt", "pmi_s0_r_local", "pmi_r_r", "pmi_s0_s0_local", "pmi_r_s0_dt", "pmi_s1_r_local", "pmi_none_entry", "pmi_kwarg",
     "pmi_s0_r_dt_inductor",
     # PrepareModuleOutput: output_layouts -> desired_output_layouts, use_local_output
     "pmo_r_s0_local", "pmo_r_s0_dt", "pmo_s0_r_local", "pmo_s0_s1_local",

@@ -101,6 +101,11 @@ class Outer(nn.Module):
         return self.block(x) if y is None else self.block(x, y=y)
 
 
+class OuterTwo(Outer):
+    def forward(self, x, y):
+        return self.block(x, y)
+
+
 class Act(nn.Module):
     """A module without parameters (what PrepareModuleOutput declares is the root input's)."""
 
@@ -250,6 +255,12 @@ def _add_cases() -> None:
                 "block": s.PrepareModuleInput(input_layouts=(given,), desired_input_layouts=(desired,),
                                               use_local_output=local), **inner(s, **col)},
             [(X10, held)], R)
+    # a positional input left alone (None): torch passes it as it is, here the whole tensor on every rank
+    CASES["pmi_none_entry"] = _c(
+        OuterTwo, lambda s: {"block": s.PrepareModuleInput(input_layouts=(Shard(0), None),
+                                                           desired_input_layouts=(R, None), use_local_output=True),
+                             **inner(s)},
+        [(X10, Shard(0)), ((16, 10), R)], R)
     CASES["pmi_kwarg"] = _c(
         Outer, lambda s: {"block": s.PrepareModuleInput(
             input_layouts=(R,), desired_input_layouts=(R,), input_kwarg_layouts={"y": Shard(0)},
