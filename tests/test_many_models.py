@@ -32,7 +32,27 @@ def _compile(m):
     return graphshard.compile(m, graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard()}), lower="eager")
 
 
-@pytest.mark.parametrize("frontend", [_fsdp, _tp, _compile], ids=["fsdp", "tensor_parallel", "compile"])
+def _dmp(m):
+    pytest.importorskip("torchrec")
+    import torch.distributed as dist
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    from graphshard.model_parallel import DistributedModelParallel
+
+    class Dense(torch.nn.Module):  # no tables: the frontend's dense compile path, which is what this counts
+        def __init__(self):
+            super().__init__()
+            self.dense = m
+
+        def forward(self, x):
+            return self.dense(x)
+
+    return DistributedModelParallel(Dense(), env=ShardingEnv.from_process_group(dist.group.WORLD), plan=ShardingPlan({}),
+                                    sharders=[EmbeddingBagCollectionSharder(fused_params={})], lower="eager")
+
+
+@pytest.mark.parametrize("frontend", [_fsdp, _tp, _compile, _dmp], ids=["fsdp", "tensor_parallel", "compile", "dmp"])
 def test_every_model_in_the_process_compiles_its_own_graph(frontend, caplog):
     models = []
     with caplog.at_level(logging.WARNING, logger="graphshard"):
