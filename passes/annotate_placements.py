@@ -42,6 +42,7 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not axes:
         return gm
     erased: set[fx.Node] = set()
+    data_only: set[fx.Node] = set()  # nodes found to be computed from graph inputs alone (`_logical`)
     for node in list(gm.graph.nodes):
         if node in erased:
             continue  # replaced by an expansion
@@ -54,7 +55,7 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         elif node.op == "call_function" and node.target == ops.from_local.default:
             _annotate_from_local(node, axes)
         elif node.op == "call_function" and node.target == ops.layout.default:
-            _annotate_layout(node, axes)
+            _annotate_layout(node, axes, data_only)
         elif node.op == "call_function" and node.target == operator.getitem:
             parent = node.args[0].meta.get("placement")
             node.meta["placement"] = parent[node.args[1]] if isinstance(parent, list) else parent
@@ -65,7 +66,7 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _annotate_layout(node: fx.Node, axes: list[str]) -> None:
+def _annotate_layout(node: fx.Node, axes: list[str], data_only: set[fx.Node]) -> None:
     x, where, axis, placement = node.args[:4]
     if axis not in axes:
         raise ValueError(
@@ -74,7 +75,7 @@ def _annotate_layout(node: fx.Node, axes: list[str]) -> None:
         )
     cur = dict(x.meta.get("placement") or {a: R for a in axes})
     want = parse_placement(placement, node.meta["val"].dim())
-    if want != R and not _logical(x):
+    if want != R and not _logical(x, data_only):
         _refuse_local_piece(node, x, want)
     node.meta["required"] = {0: {axis: want}} if cur.get(axis, R) != want else {}
     node.meta["placement"] = {**cur, axis: want}
@@ -91,21 +92,23 @@ def describe_place(where: str) -> str:
     return f"{module} output {place[3:]} (output_layouts)"
 
 
-def _logical(x: fx.Node) -> bool:
+def _logical(x: fx.Node, data_only: set[fx.Node]) -> bool:
     """Whether ``x`` is a value of the logical program: computed from a parameter or from a declared
     layout. Anything else (a graph input, values computed from graph inputs and constants alone)
     is what each rank passed or made itself: torch's local tensor, which graphshard reads as the
-    whole value."""
+    whole value. ``data_only`` keeps the nodes earlier searches found to be such, so each node is
+    searched through once per graph."""
     sources = (ops.param.default, ops.layout.default, ops.from_local.default, ops.unshard.default)
     seen, stack = set(), [x]
     while stack:
         n = stack.pop()
-        if n in seen:
+        if n in seen or n in data_only:
             continue
         seen.add(n)
         if n.op == "call_function" and n.target in sources:
             return True
         stack.extend(n.all_input_nodes)
+    data_only.update(seen)
     return False
 
 
