@@ -14,7 +14,8 @@ Each rank prints ``OUTCOME {"rank": r, "error": "...", "after": seconds}`` when 
 (``after``: wall-clock seconds from the moment rank 1 reached the fault, which rank 1 posts to the
 store; the ranks share the host's clock), then re-raises, so the job fails as a user's job would.
 A rank that is stopped from outside (torchrun ends the job when one rank has failed) prints nothing:
-the test reads torchrun's own summary for it.
+the test reads torchrun's own summary for it. Ranks that all raise `CollectiveMismatch` wait for one
+another to print before they exit.
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def main() -> None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print("OUTCOME " + json.dumps({"rank": rank, "error": f"{type(e).__name__}: {first}"[:600],
                                        "message": str(e)[:2000], "after": time.time() - at}), flush=True)
+        if isinstance(e, graphshard.CollectiveMismatch):
+            # every rank ends on its own here; the first to exit would have torchrun stop the others before
+            # they print what they raised, so each waits (bounded) until all have printed
+            store.add("faults/printed", 1)
+            deadline = time.time() + 30
+            while store.add("faults/printed", 0) < dist.get_world_size() and time.time() < deadline:
+                time.sleep(0.01)
         raise
     print("OUTCOME " + json.dumps({"rank": rank, "error": "", "after": 0.0}), flush=True)
     dist.destroy_process_group()
