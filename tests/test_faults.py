@@ -66,6 +66,8 @@ def test_a_fault_on_one_rank_ends_every_rank_with_its_cause(case):
         assert set(outcomes) == {0, 1}, outcomes  # every rank ends on its own, with the same error
         assert all(o["error"].startswith("CollectiveMismatch: graphshard: ranks 0 and 1") for o in outcomes.values())
         assert outcomes[0]["message"] == outcomes[1]["message"], outcomes
-        assert all(o["after"] < 5 for o in outcomes.values()), outcomes
+        # another shape: 5 s from the fault (the call); another plan differs from the first step on, so its time
+        # counts that step's compile, which a loaded machine stretches
+        assert all(o["after"] < (5 if case == "shape" else SLACK) for o in outcomes.values()), outcomes
         named = "inputs of other shapes" if case == "shape" else "would issue different collectives"
         assert named in outcomes[0]["message"], outcomes[0]["message"]
