@@ -33,10 +33,10 @@ def _job(case: str):
     t0 = time.perf_counter()
     _, proc = launch("faults.py", [case], nproc=2, timeout=PG_TIMEOUT + 240, env={"GS_PG_TIMEOUT": str(PG_TIMEOUT)})
     outcomes = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("OUTCOME "):
-            o = json.loads(line[len("OUTCOME "):])
-            outcomes[o["rank"]] = o
+    decoder = json.JSONDecoder()
+    for found in re.finditer("OUTCOME ", proc.stdout):  # two ranks' lines may share one line of the merged output
+        o, _ = decoder.raw_decode(proc.stdout, found.end())
+        outcomes[o["rank"]] = o
     return proc, outcomes, time.perf_counter() - t0
 
 
