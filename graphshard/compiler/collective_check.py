@@ -311,7 +311,7 @@ def agreeing_inputs(model, config) -> Callable[[Callable], Callable] | None:
     cannot see it: a program whose sizes are symbolic runs unchanged on the new size, and a rank whose
     guard fails recompiles alone while its peer, with nothing new, is already inside the collective.
     Only a comparison every rank makes at every call ends on every rank; it is a store round trip per
-    group and call (three requests: post, wait, read; `explain` prints its cost), made where the data
+    group and call (three requests: post, read, delete the last; `explain` prints its cost), made where the data
     is the collectives' size, not on data-parallel groups (each rank feeds its own batch there)."""
     if not enabled(config):
         return None
@@ -343,6 +343,17 @@ class _InputAgreement:
         self.calls = 0
         self.seconds = 0.0  # the comparisons' own time
         self.waited = 0.0   # of which spent waiting for a peer to reach the call (its step takes that long anyway)
+        self._where: list | None = None  # per group: its axis, this rank's key prefix, the peers' (first call)
+
+    def _places(self) -> list:
+        if self._where is None:
+            rank = dist.get_rank()
+            self._where = []
+            for group, axis in self.groups:
+                base = f"{PREFIX}/calls/{group}/{_model_on_group(group, self.model)}"
+                peers = [r for r in _compat.group_ranks(group) if r != rank]
+                self._where.append((group, axis, base, peers))
+        return self._where
 
     def check(self, args, kwargs) -> None:
         t0 = time.perf_counter()
@@ -350,14 +361,11 @@ class _InputAgreement:
         self.calls += 1
         mine = _input_shapes((args, kwargs))
         store, rank = _compat.default_store(), dist.get_rank()
-        for group, axis in self.groups:
-            peers = [r for r in _compat.group_ranks(group) if r != rank]
-            base = f"{PREFIX}/calls/{group}/{_model_on_group(group, self.model)}"
+        for group, axis, base, peers in self._places():
             store.set(f"{base}/{n}/{rank}", mine)
-            keys = [f"{base}/{n}/{peer}" for peer in peers]
             waiting = time.perf_counter()
-            try:
-                store.wait(keys, store.timeout)
+            try:  # the store's get waits for the keys, bounded by its timeout (the process group's)
+                theirs = store.multi_get([f"{base}/{n}/{peer}" for peer in peers])
             except Exception as e:  # noqa: BLE001 - the store's timeout error type varies by store and version
                 raise CollectiveMismatch(
                     f"graphshard: a rank of the {axis!r} group did not reach call {n} of model {self.model} within "
@@ -365,11 +373,11 @@ class _InputAgreement:
                     "the call's first collective") from e
             finally:
                 self.waited += time.perf_counter() - waiting
-            for peer, theirs in zip(peers, store.multi_get(keys)):
-                theirs = theirs.decode()
-                if theirs != mine:
+            for peer, value in zip(peers, theirs):
+                value = value.decode()
+                if value != mine:
                     lo, hi = sorted((rank, peer))
-                    side = {rank: mine, peer: theirs}
+                    side = {rank: mine, peer: value}
                     raise CollectiveMismatch(
                         f"graphshard: ranks {lo} and {hi} of the model-parallel axis {axis!r} (process group "
                         f"{group!r}) called model {self.model} (call {n}) with inputs of other shapes:\n"
