@@ -194,6 +194,7 @@ class ShardedModel:
     axes: dict[str, AxisGroup]                        # every mesh axis of the plan, as c10d sees it
     flat: dict[str, FlatUnit] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
     collections: list = field(default_factory=list)   # its sharded embedding collections (SparseCollection)
+    name: str = field(default="", metadata=unkeyed("the root's class name, for logs and explain"))
     # what compiles and calls write, and what explain prints: not part of a stored program's key
     explain: list = field(default_factory=list, metadata=unkeyed("written by compiles"))  # one report per compiled graph
     preamble: list = field(default_factory=list, metadata=unkeyed("explain's first lines"))  # objects with .format()

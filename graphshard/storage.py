@@ -34,7 +34,6 @@ from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
 _subclass_cache: dict[tuple, type] = {}
-_model_names: dict[int, str] = {}  # model id -> its root's class name, for the messages of frames run eagerly
 
 log = logging.getLogger("graphshard")
 
@@ -172,10 +171,10 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
         if names or bound is not None or spec is not None or cast is not None or mod is model:
             _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec, cast=cast)
     state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups, flat=flat,
-                         collections=list(collections), checkpointing=_checkpointing(model, resolution))
+                         collections=list(collections), checkpointing=_checkpointing(model, resolution),
+                         name=type(model).__name__)
     sharding.register(state)
     model._graphshard = state
-    _model_names[model_id] = type(model).__name__
     for p, fqn in replaced_params:  # an optimizer built over the old parameters stops at its step (`replaced`)
         replaced.remember(p, fqn, type(model).__name__)
     return model
@@ -504,7 +503,7 @@ def _record_eager_read(model: ShardedModel, key: str, reader: types.FrameType) -
                     "graph (dynamo skipped the frame or was told not to trace it; TORCH_LOGS=graph_breaks says "
                     "why). Its parameters are gathered whole at each read and their gradients reduced eagerly; "
                     "explain lists every such region", f"unit {unit!r}" if unit is not None else repr(info.fqn),
-                    f"{_model_names.get(model.model_id, 'the model')} (model m{model.model_id})", where, info.fqn)
+                    f"{model.name or 'the model'} (model m{model.model_id})", where, info.fqn)
 
 
 def in_forward() -> bool:
