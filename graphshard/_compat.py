@@ -149,7 +149,7 @@ def inductor_compile_region(gm: torch.fx.GraphModule, example_inputs, *, is_back
     donated, nothing reported (``report_output_strides`` reports the whole graph's). All its
     outputs are user-visible (other compiled code reads them with their traced strides), and
     ``_REGION_CACHE_TAG`` keeps its FX graph cache entries apart, since the cache key does
-    not cover donation. See docs/design.md, "A region is compiled with its own facts"."""
+    not cover donation. See docs/design/lowering.md, "A region is compiled with its own facts"."""
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch.compiler import config as compiler_config

@@ -32,7 +32,7 @@ class AxisGroup:
 
         gloo has no reduce-scatter of its own: c10d runs it as an all-reduce of the whole
         buffer, which moves twice the bytes a reduce-scatter needs and costs twice the CPU.
-        An all-to-all moves exactly a reduce-scatter's bytes (see docs/design.md)."""
+        An all-to-all moves exactly a reduce-scatter's bytes (see docs/design/collectives.md)."""
         return self._gloo_forms
 
     @property
@@ -44,7 +44,7 @@ class AxisGroup:
         flat temporary of the whole result and copies it out, so the bucket path copies the
         gathered bytes twice after the transfer. The coalesced all-gather's worker copies
         them once, straight into each parameter's output, and reads the shards in place
-        (see docs/design.md). NCCL gathers in place: one bucket is its fastest form."""
+        (see docs/design/collectives.md). NCCL gathers in place: one bucket is its fastest form."""
         return self._gloo_forms
 
 

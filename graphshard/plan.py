@@ -178,7 +178,7 @@ class Plan:
       slot of the gathered buffer and the gather runs in place); gradients packed rank-major, one
       ``reduce_scatter_tensor`` (``avg``). gloo: one coalesced all-gather with an output
       per parameter, and the gradients' reduce-scatter as one all-to-all of the other ranks'
-      rows (gloo has no reduce-scatter of its own; see docs/design.md).
+      rows (gloo has no reduce-scatter of its own; see docs/design/collectives.md).
     - ``"nccl"``: NCCL's forms on every backend. On gloo this runs, op for op, the
       collectives a GPU run issues, so CPU-only CI exercises that path; it costs gloo
       an extra copy per gather and an all-reduce per reduce-scatter.

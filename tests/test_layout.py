@@ -1,4 +1,4 @@
-"""The layout rules of ``docs/design.md`` ("Layout: one direction of imports"), read from the source.
+"""The layout rules of ``docs/design/overview.md`` ("Layout: who imports whom"), read from the source.
 
 - no import cycle between graphshard's modules, counting imports inside functions (a lazy import
   that breaks a cycle at load time still ties the two modules together);

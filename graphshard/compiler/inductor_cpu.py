@@ -4,7 +4,7 @@ ranks (`share_isa_checks`, Inductor's own check, nothing set). Opt-in, off by de
 shortcut and C++ kernels built together.
 
 Both act on Inductor's internals, which they reach through `graphshard._compat`'s aliases, and
-both are thread-scoped or process-cached as their docstrings say (docs/design.md, "Kernel
+both are thread-scoped or process-cached as their docstrings say (docs/design/compile-time.md, "Kernel
 batching and the ISA shortcut are opt-in and thread-scoped").
 """
 
