@@ -52,11 +52,6 @@ def canonical(obj: Any, path: str = "record") -> Any:
     return _Walk().canonical(obj, path)
 
 
-def digest(obj: Any, path: str = "record") -> str:
-    """sha256 of `canonical` (``obj``)."""
-    return hashlib.sha256(repr(canonical(obj, path)).encode()).hexdigest()
-
-
 _ATOMS = (type(None), bool, int, float, str, bytes)
 
 
