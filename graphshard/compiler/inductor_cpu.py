@@ -158,7 +158,7 @@ class IsaShare:
     lock for the rank building them: with one ISA (an AVX2 machine) one rank builds it while the
     other idles, 3.5 s of the 2-core machine's 4.4 s check. Started with the partition, the check
     runs beside the ranks' partitions instead. Started earlier (at the backend's entry) it slowed
-    the tracing ranks more than it saved (``docs/notes/2026-12-07-cold-start-on-an-avx2-machine.md``)."""
+    the tracing ranks more than it saved (``docs/design/compile-time.md``)."""
 
     def __init__(self, share) -> None:
         self.share = share

@@ -6,7 +6,7 @@ for both. Targets: full-AC activations at most FSDP2's, and the AC step overhead
 
 The benchmark's own table and ratios are kept in the report. On torch < 2.13 graphshard also
 pays for the output's gradient, which autograd keeps for the whole backward there
-(``docs/notes/2026-11-28-in-place-gather.md``)."""
+(``docs/design/collectives.md``)."""
 
 from __future__ import annotations
 

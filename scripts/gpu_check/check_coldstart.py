@@ -8,8 +8,7 @@ step, and at most 0.7x the peer's at 32 layers.
 On the 2-core CPU machines the two targets cannot both hold: what 28 more layers add outside any
 compile (their setup and first run: about 3 s on the Intel Xeon, 8 s on an AVX2 EPYC) is more than
 the first target leaves, and FSDP2 per block, which compiles nothing more for depth, grows 1.25-1.41x
-(``docs/notes/2026-12-07-an-abort-at-exit-and-the-fixed-cache.md``,
-``docs/notes/2026-12-07-cold-start-on-an-avx2-machine.md``). On a GPU that share is milliseconds, so
+(``docs/design/compile-time.md``). On a GPU that share is milliseconds, so
 this section says whether the compile itself meets them. Outside the default
 budget: ``--budget 300 --sections coldstart``."""
 

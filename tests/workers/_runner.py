@@ -46,7 +46,7 @@ def _exit_without_finalizing() -> None:
     finalizing, the thread must take the GIL to free a tensor Python let go of, CPython ends it
     with ``pthread_exit``, and the unwinding C++ aborts the process ("terminate called without an
     active exception", exit -6), after every result was printed. A 2-rank script with a late
-    async all-reduce reproduces it (docs/notes/2026-12-07-an-abort-at-exit-and-the-fixed-cache.md).
+    async all-reduce reproduces it (docs/design/testing.md).
     A case that raises never gets here: its exception fails the job as before."""
     sys.stdout.flush()
     sys.stderr.flush()
