@@ -111,6 +111,28 @@ def is_sharded_tensor(value) -> bool:
     return isinstance(value, ShardedTensor)
 
 
+def sharded_tensor(pieces: list, shards: list, size: tuple, group_name: str, device: str):
+    """A ``torch.distributed._shard`` ShardedTensor, TorchRec's form of a table: ``shards`` lists every
+    piece of the tensor as ``(rank, offsets, sizes)`` (rank in the group ``group_name``), ``pieces`` this
+    rank's as ``(offsets, tensor)`` (views, not copies). Built from the global metadata each rank already
+    has, so no collective runs (as TorchRec builds its own)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    metas = [ShardMetadata(shard_offsets=list(off), shard_sizes=list(sz), placement=f"rank:{r}/{device}")
+             for r, off, sz in shards]
+    local = [Shard(t, ShardMetadata(shard_offsets=list(off), shard_sizes=list(t.shape),
+                                    placement=f"rank:{torch.distributed.get_rank(_resolve_process_group(group_name))}/{device}"))
+             for off, t in pieces]
+    dtype = pieces[0][1].dtype if pieces else torch.float32
+    meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size(size),
+                                 tensor_properties=TensorProperties(dtype=dtype, requires_grad=False))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta,
+                                                                     process_group=_resolve_process_group(group_name))
+
+
 def inductor_decompositions() -> dict:
     from torch._inductor.decomposition import select_decomp_table
 

@@ -1,12 +1,16 @@
 """Where each embedding table's rows and columns live: the facts the sharded lookup is built from.
 
-A *collection* is one embedding module: tables, each looked up by one or more features. A
+A *collection* is one embedding module: tables, each looked up by one or more features (a feature
+may be looked up by several tables: TorchRec names each lookup's output ``feature@table``). A
 pooled collection (TorchRec's ``EmbeddingBagCollection``) pools each feature's ids per sample;
 a sequence collection (``EmbeddingCollection``, ``sequence=True``) returns one row per id. Each table has a sharding type and its
 shards (a rank, a block of rows, a block of columns):
 
 - ``table_wise``: one shard, the whole table, on one rank;
-- ``column_wise``: shards of whole rows and a block of columns each, on any ranks;
+- ``column_wise``: shards of whole rows and a block of columns each, on any ranks (several blocks on
+  one rank, blocks of unequal width);
+- ``table_column_wise``: column-wise with every block on one host (TorchRec's; the program is
+  column-wise's);
 - ``row_wise``: one block of rows per rank (``ceil(rows / world)`` each, the last one shorter);
 - ``table_row_wise``: the ranks are hosts of ``local_world`` ranks; the table lives on one
   host, one block of rows per rank of that host (``ceil(rows / local_world)`` each);
@@ -22,7 +26,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "data_parallel")
+SHARDING_TYPES = ("table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise", "data_parallel")
+
+COLUMN_WISE = ("column_wise", "table_column_wise")
+"""The sharding types whose shards are column blocks of whole rows, looked up where they live (one all-to-all
+each way). TorchRec's table-column-wise keeps a table's blocks on one host; its data flow is column-wise's."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,13 @@ class TableLayout:
                 len(self.shards) != 1 or self.shards[0].rows != self.num_embeddings
                 or self.shards[0].cols != self.embedding_dim):
             raise ValueError(f"{where}: table-wise sharding places the whole table on one rank")
-        if self.sharding_type == "column_wise":
+        if self.sharding_type == "table_column_wise" and local_world:
+            hosts = {s.rank // local_world for s in self.shards}
+            if len(hosts) != 1:
+                raise ValueError(f"{where}: table-column-wise shards on ranks {sorted(s.rank for s in self.shards)} "
+                                 f"span hosts {sorted(hosts)} of {local_world} ranks each; the blocks of a "
+                                 "table-column-wise table live on one host (use column_wise to spread them)")
+        if self.sharding_type in COLUMN_WISE:
             cols = sorted((s.col_offset, s.cols) for s in self.shards)
             at = 0
             for off, n in cols:
@@ -157,7 +171,6 @@ class CollectionLayout:
         return sum(self.dims)
 
     def check(self) -> None:
-        seen: dict[str, str] = {}
         for t in self.tables:
             if self.sequence and t.sharding_type == "table_row_wise":
                 raise NotImplementedError(
@@ -174,13 +187,6 @@ class CollectionLayout:
                         "TBE, which takes any width (compute_kernel='fused_triton'; ShardEmbedding(kernel='triton')), "
                         "or a column split into multiples of 4"
                     )
-            for f in t.features:
-                if f in seen:
-                    raise ValueError(
-                        f"{self.fqns[0]}: feature {f!r} is looked up in tables {seen[f]!r} and {t.name!r}; "
-                        "each feature names one table"
-                    )
-                seen[f] = t.name
             if self.sequence and t.embedding_dim != self.tables[0].embedding_dim:
                 raise ValueError(
                     f"{self.fqns[0]}: table {t.name!r} has dim {t.embedding_dim}, table {self.tables[0].name!r} "

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from graphshard.sparse.fused_tbe import FusedTBE
 from graphshard.ops import ops
 from graphshard.ops.kjt import KJTOps
-from graphshard.sparse.layout import CollectionLayout, TableLayout, TableShard
+from graphshard.sparse.layout import COLUMN_WISE, CollectionLayout, TableLayout, TableShard
 from graphshard.ops.sparse import ops as sparse_ops
 
 
@@ -66,7 +66,7 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     world = layout.world
     a2a = [[] for _ in range(world)]
     for t in layout.tables:
-        if t.sharding_type in ("table_wise", "column_wise"):
+        if t.sharding_type in ("table_wise", *COLUMN_WISE):
             for shard in sorted(t.shards, key=lambda s: s.col_offset):
                 a2a[shard.rank].append((t, shard))
     a2a_slots = [[Slot(t, s, f) for t, s in shards for f in t.features] for shards in a2a]
@@ -76,24 +76,27 @@ def local_plan(layout: CollectionLayout) -> LocalPlan:
     by_host = [[i for i, (t, _) in enumerate(twrw) if t.host(layout.local_world) == h] for h in range(layout.hosts)] \
         if twrw else []
 
-    start, at = {}, 0  # where each feature's columns start in the output
+    # where each lookup's columns start in the output, by (table, feature): a feature looked up by
+    # several tables has a block of columns per table
+    start, at = {}, 0
     for t in layout.tables:
         for f in t.features:
-            start[f] = at
+            start[(t.name, f)] = at
             at += t.embedding_dim
     pos = []  # the concatenated parts' columns, as output columns
     for slots in a2a_slots:
         for s in slots:
-            pos.extend(range(start[s.feature] + s.shard.col_offset, start[s.feature] + s.shard.col_offset + s.shard.cols))
+            first = start[(s.table.name, s.feature)] + s.shard.col_offset
+            pos.extend(range(first, first + s.shard.cols))
     for t, f in rw:
-        pos.extend(range(start[f], start[f] + t.embedding_dim))
+        pos.extend(range(start[(t.name, f)], start[(t.name, f)] + t.embedding_dim))
     for host in by_host:
         for i in host:
             t, f = twrw[i]
-            pos.extend(range(start[f], start[f] + t.embedding_dim))
+            pos.extend(range(start[(t.name, f)], start[(t.name, f)] + t.embedding_dim))
     for t in dp:
         for f in t.features:
-            pos.extend(range(start[f], start[f] + t.embedding_dim))
+            pos.extend(range(start[(t.name, f)], start[(t.name, f)] + t.embedding_dim))
     assert sorted(pos) == list(range(layout.total_dim)), "the sharded lookups cover every output column once"
     columns = [0] * len(pos)
     for i, c in enumerate(pos):
@@ -246,12 +249,14 @@ def read_kjt(layout: CollectionLayout, keys: list[str], values, lengths, bounds_
 
 
 def check_ids(layout: CollectionLayout, keys: list[str], values, lengths):
-    """The bounds check, where the user gave the ids (global ids, named features)."""
+    """The bounds check, where the user gave the ids (global ids, named features). A feature looked up
+    by several tables is checked against the smallest of them."""
     kpos = {k: i for i, k in enumerate(keys)}
     limits, names = [-1] * len(keys), ["an unused feature"] * len(keys)
     for t in layout.tables:
         for f in t.features:
-            limits[kpos[f]], names[kpos[f]] = t.num_embeddings, f"feature {f!r} (table {t.name!r})"
+            if limits[kpos[f]] < 0 or t.num_embeddings < limits[kpos[f]]:
+                limits[kpos[f]], names[kpos[f]] = t.num_embeddings, f"feature {f!r} (table {t.name!r})"
     return sparse_ops.check_ids(values, lengths, limits, "\n".join(names))
 
 

@@ -98,7 +98,7 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
         torch._check(c >= 0)
     torch._check(sum(counts) == values.shape[0])
     per_group, dp_weights = split_state(tbes, state)
-    blocks: dict[tuple[str, int], torch.Tensor] = {}  # (feature, first column) -> rows
+    blocks: dict[tuple[str, str, int], torch.Tensor] = {}  # (table, feature, first column) -> rows
 
     def select(features: list[str]):
         rows = [kpos[f] for f in features]
@@ -118,7 +118,7 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
                             dtype)
         back = ops.all_to_all(rows, in_splits, out_splits, group)  # in the order the ids were sent
         for s, piece in zip(sent, back.split(sizes)):
-            blocks[(s.feature, s.shard.col_offset)] = piece
+            blocks[(s.table.name, s.feature, s.shard.col_offset)] = piece
 
     if plan.rw_features:
         feats = plan.rw_features
@@ -134,17 +134,17 @@ def sequence_lookup(layout: CollectionLayout, plan: LocalPlan, tbes: dict, keys:
         back = ops.all_to_all(rows, in_splits, out_splits, group)  # in bucketized order
         back = back.index_select(0, unbucketize)  # in the ids' order
         torch._check(back.shape[0] == sum(sizes))
-        for (_, f), piece in zip(feats, back.split(sizes)):
-            blocks[(f, 0)] = piece
+        for (t, f), piece in zip(feats, back.split(sizes)):
+            blocks[(t.name, f, 0)] = piece
 
     for t, weight in zip(plan.dp_tables, dp_weights):
         _, v, sizes = select(list(t.features))
         for f, piece in zip(t.features, F.embedding(v, weight).to(dtype).split(sizes)):
-            blocks[(f, 0)] = piece
+            blocks[(t.name, f, 0)] = piece
 
     out = []
-    for f in layout.features:
-        mine = sorted((c, b) for (g, c), b in blocks.items() if g == f)
+    for t, f in ((t, f) for t in layout.tables for f in t.features):  # a feature of several tables: each's rows
+        mine = sorted(((c, b) for (tn, g, c), b in blocks.items() if (tn, g) == (t.name, f)), key=lambda x: x[0])
         out.append(torch.cat([b for _, b in mine], dim=1) if len(mine) > 1 else mine[0][1])
     if need_indices:
         _, v, sizes = select(list(layout.features))

@@ -2,8 +2,11 @@
 
 - row-wise: ``Shard(0)`` over the whole mesh (TorchRec's row blocks are torch.chunk's pieces);
 - table-row-wise: ``Shard(0)`` over the mesh of its host's ranks;
-- column-wise: ``Shard(1)`` over the mesh of the ranks that hold the column blocks, in column
-  order (equal blocks; a rank holds one block);
+- column-wise (and table-column-wise): ``Shard(1)`` over the mesh of the ranks that hold the column
+  blocks, in column order, where the blocks are equal and a rank holds one; otherwise (several
+  blocks on a rank, as TorchRec's planner makes with ``min_partition``, or blocks of unequal width)
+  there is no DTensor placement for the layout, and the table is TorchRec's own form, a
+  ``ShardedTensor`` of the blocks (each rank's pieces views of its TBE, like the DTensors');
 - table-wise: ``Replicate()`` over a one-rank mesh: the owner's whole table.
 
 The local tensor of each DTensor is a view of the TBE's weights, so a state dict reads the live
@@ -20,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from graphshard import _compat
+from graphshard.sparse.layout import COLUMN_WISE
 
 
 def _mesh(coll, ranks: tuple[int, ...]) -> DeviceMesh:
@@ -31,8 +35,18 @@ def _mesh(coll, ranks: tuple[int, ...]) -> DeviceMesh:
     return mesh
 
 
+def _no_dtensor_form(t) -> bool:
+    """A column-wise table with several blocks on one rank or blocks of unequal width: no DTensor
+    placement lays it out (``Shard(1)`` is one block per rank, torch.chunk's widths)."""
+    if t.sharding_type not in COLUMN_WISE:
+        return False
+    ranks = [s.rank for s in t.shards]
+    return len(set(ranks)) != len(ranks) or len({s.cols for s in t.shards}) != 1
+
+
 def _meshes(coll):
-    """Per table: (mesh, placements) of its DTensor."""
+    """Per table: (mesh, placements) of its DTensor; None for a table shown as a ShardedTensor
+    (`_no_dtensor_form`)."""
     out = {}
     world = coll.layout.world
     for t in coll.layout.tables:
@@ -42,15 +56,11 @@ def _meshes(coll):
             out[t.name] = (tuple(s.rank for s in sorted(t.shards, key=lambda s: s.row_offset)), [Shard(0)])
         elif t.sharding_type == "table_wise":
             out[t.name] = ((t.shards[0].rank,), [Replicate()])
-        elif t.sharding_type == "column_wise":
+        elif _no_dtensor_form(t):
+            out[t.name] = None
+        elif t.sharding_type in COLUMN_WISE:
             shards = sorted(t.shards, key=lambda s: s.col_offset)
-            ranks = tuple(s.rank for s in shards)
-            if len(set(ranks)) != len(ranks) or len({s.cols for s in shards}) != 1:
-                raise NotImplementedError(
-                    f"table {t.name!r}: a column-wise table with two blocks on one rank or unequal blocks has no "
-                    "DTensor form; give each rank one equal column block"
-                )
-            out[t.name] = (ranks, [Shard(1)])
+            out[t.name] = (tuple(s.rank for s in shards), [Shard(1)])
     return out
 
 
@@ -97,10 +107,23 @@ def _gather_sharded_tensor(value) -> torch.Tensor:
     return full
 
 
-def table_dtensor(coll, table: str) -> DTensor:
-    """A fused table of ``coll`` as a DTensor over the ranks that hold it (a view of the TBE)."""
-    ranks, pl = _meshes(coll)[table]
-    return _dtensor(coll, table, ranks, pl)
+def _sharded_tensor(coll, table: str):
+    """A table without a DTensor form as TorchRec's ShardedTensor: one shard per column block."""
+    t = coll.table(table)
+    layout = coll.layout
+    return _compat.sharded_tensor(
+        [((s.row_offset, s.col_offset), piece) for s, piece in coll.local_pieces(table)],
+        [(s.rank, (s.row_offset, s.col_offset), (s.rows, s.cols)) for s in t.shards],
+        (t.num_embeddings, t.embedding_dim), layout.group, layout.device)
+
+
+def table_dtensor(coll, table: str):
+    """A fused table of ``coll`` as a DTensor over the ranks that hold it (a view of the TBE), or, for
+    a layout DTensor cannot place, TorchRec's ShardedTensor of its blocks."""
+    placed = _meshes(coll)[table]
+    if placed is None:
+        return _sharded_tensor(coll, table)
+    return _dtensor(coll, table, *placed)
 
 
 def weight_key(coll, fqn: str, table: str) -> str:
@@ -108,9 +131,8 @@ def weight_key(coll, fqn: str, table: str) -> str:
     return f"{fqn + '.' if fqn else ''}{coll.layout.attr}.{table}.weight"
 
 
-def table_entries(coll, prefix: str) -> dict[str, DTensor]:
-    return {f"{prefix}{coll.layout.attr}.{name}.weight": _dtensor(coll, name, ranks, pl)
-            for name, (ranks, pl) in _meshes(coll).items()}
+def table_entries(coll, prefix: str) -> dict:
+    return {f"{prefix}{coll.layout.attr}.{name}.weight": table_dtensor(coll, name) for name in _meshes(coll)}
 
 
 def load_table(coll, t, value, key: str) -> None:
@@ -178,9 +200,12 @@ def optimizer_state(coll, table: str) -> DTensor:
     layout). The kind is the collection's (``fused_params``), the same on every rank."""
     from graphshard.sparse.fused_tbe import optimizer_name
 
-    ranks, placements = _meshes(coll)[table]
+    placed = _meshes(coll)[table]
     t = coll.table(table)
     kind = optimizer_name(coll.fused_params.get("optimizer", "sgd"))
+    if placed is None:
+        return _sharded_state(coll, t, kind)
+    ranks, placements = placed
     pieces = coll.local_state(table)
     local = pieces[0][1] if pieces else None
     device = coll.layout.device
@@ -197,3 +222,20 @@ def optimizer_state(coll, table: str) -> DTensor:
     stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(local, _table_mesh(coll, ranks), placements, run_check=False, shape=torch.Size(shape),
                               stride=stride)
+
+
+def _sharded_state(coll, t, kind: str):
+    """The optimizer state of a table without a DTensor form, as a ShardedTensor: row-wise Adagrad's
+    ``[rows, blocks]`` (block j, in column order, is column j), Adagrad's in the table's layout."""
+    blocks = sorted(t.shards, key=lambda s: s.col_offset)
+    layout = coll.layout
+    if kind == "rowwise_adagrad":
+        index = {s: j for j, s in enumerate(blocks)}
+        return _compat.sharded_tensor(
+            [((0, index[s]), state.view(-1, 1)) for s, state in coll.local_state(t.name)],
+            [(s.rank, (0, j), (s.rows, 1)) for j, s in enumerate(blocks)],
+            (t.num_embeddings, len(blocks)), layout.group, layout.device)
+    return _compat.sharded_tensor(
+        [((s.row_offset, s.col_offset), state) for s, state in coll.local_state(t.name)],
+        [(s.rank, (s.row_offset, s.col_offset), (s.rows, s.cols)) for s in t.shards],
+        (t.num_embeddings, t.embedding_dim), layout.group, layout.device)

@@ -1,9 +1,10 @@
 """``FullyShardedDataParallel``: torch's FSDP1 wrapper, built as a graphshard plan and compiled.
 
 The root instance decides the units (``auto_wrap_policy``, by torch's traversal in
-``graphshard.fsdp.wrap``), builds one `Plan` with a unit spec per unit (the sharding
-strategy, mixed precision and ``use_orig_params`` of that unit), shards the model with
-`graphshard.shard` and compiles the whole model as one program. Each unit is then a real
+``graphshard.fsdp.wrap``, or the instances already in the model: nested construction,
+`_nesting`), builds one `Plan` with a unit spec per unit (the sharding strategy, mixed
+precision and ``use_orig_params`` of that unit), shards the model with `graphshard.shard`
+and compiles the whole model as one program. Each unit is then a real
 ``FullyShardedDataParallel`` instance in the module tree, holding the unit's module as
 ``_fsdp_wrapped_module``, so FQNs, ``named_parameters()`` and ``fsdp_modules`` read as torch's.
 """
@@ -34,11 +35,13 @@ from graphshard.api import compile_config, compile_sharded
 from graphshard.compiler.grad_sync import no_sync
 from graphshard.config import CompileConfig
 from graphshard.frontends.fsdp._common import WRAPPED, clean_fqn, local_of_full
+from graphshard.frontends.fsdp._nesting import Snapshot, nested_units, take_wrappers
 from graphshard.frontends.fsdp._optim_state import OptimStateMixin
 from graphshard.frontends.fsdp._state_dict import StateDictMixin, fsdp_instances
 from graphshard.frontends.fsdp.wrap import decide_units
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sharding import FLAT_PARAM, ShardedParam
+from graphshard.compiler.explain import ModelFallback
 from graphshard.storage import in_forward, shard, state_of
 
 class _Summoned(threading.local):
@@ -95,6 +98,28 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 "graphshard.fsdp: CPUOffload(offload_params=True) on a GPU mesh is not supported yet (sharded "
                 "parameters stay on the device); drop cpu_offload, or shard over more ranks to fit the model"
             )
+        self._config = _Config(strategy=strategy, mixed_precision=mixed_precision, use_orig_params=use_orig_params,
+                               cpu_offload=cpu_offload or CPUOffload(), mesh=mesh, plan=None,
+                               backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                               limit_all_gathers=limit_all_gathers, notes=[])
+        self._spec_args = {"sharding_strategy": strategy, "mixed_precision": mixed_precision}
+        self._compile_options = dict(compile_options)
+        compile_config("FullyShardedDataParallel", **compile_options)  # an unknown keyword fails before any change
+        nested, rank_local, wrappers = [], [], {}
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            if auto_wrap_policy is not None:
+                raise ValueError(
+                    f"FullyShardedDataParallel got an auto_wrap_policy for a {type(module).__name__} that already holds "
+                    "FullyShardedDataParallel instances; as in torch's FSDP1, auto-wrapping needs a model without "
+                    "FSDP applied: drop auto_wrap_policy (the inner instances are the units), or pass the unwrapped model")
+            wrappers = take_wrappers(module, FullyShardedDataParallel)  # inner roots released: every rank joins
+            nested, rank_local = nested_units(module, wrappers, self._config, {**self._spec_args,
+                                                                                "compile_options": self._compile_options})
+            for w in {id(w): w for w in wrappers.values()}.values():  # torch: an inner instance's ignored are the root's
+                inner_mods, inner_params = w.__dict__.get("_ignored_sets", (set(), set()))
+                ignored = (ignored[0] | inner_mods, ignored[1] | inner_params)
+            ignored = (ignored[0] | {mod for _, mod, _ in rank_local}, ignored[1])
+        self._ignored_sets = ignored
         device = _compute_device(mesh.device_type, device_id)
         _materialize(module, param_init_fn, device, ignored[0])
         _move_to(module, device, ignored)  # as torch's FSDP moves the module to device_id: parameters and buffers
@@ -105,8 +130,11 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         self._buffer_dtypes = {name: b.dtype for name, b in module.named_buffers()}
         self._fsdp_wrapped_module = module
         full_precision = tuple(mixed_precision._module_classes_to_ignore) if mixed_precision is not None else ()
-        units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1],
-                             full_precision_classes=full_precision)
+        if nested or rank_local:
+            units = nested + [("", module, {})]
+        else:
+            units = decide_units(module, auto_wrap_policy, ignored_modules=ignored[0], ignored_params=ignored[1],
+                                 full_precision_classes=full_precision)
         if auto_wrap_policy is not None and len(units) == 1:
             raise ValueError(
                 f"auto_wrap_policy {_policy_name(auto_wrap_policy)} wraps no submodule of {type(module).__name__}: the "
@@ -122,6 +150,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                 low_precision_grads[fqn] = unit_mp.param_dtype
         plan = Plan(mesh, {_exact_glob(fqn): spec for fqn, spec in specs.items()},
                     ignored_params=_ignored_globs(module, *ignored))
+        self._snapshot = Snapshot(module)  # what `_release` undoes if an outer instance absorbs this one
         shard(module, plan, cast_forward_inputs=False)  # FSDP1 casts inputs by its own MixedPrecision flags (forward)
         state = state_of(module)
         if not state.units:
@@ -130,25 +159,32 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         for fqn, dtype in low_precision_grads.items():
             if fqn in state.flat:
                 state.flat[fqn].param.register_post_accumulate_grad_hook(functools.partial(_keep_grad_in, dtype))
-        self._config = _Config(strategy=strategy, mixed_precision=mixed_precision, use_orig_params=use_orig_params,
-                               cpu_offload=cpu_offload or CPUOffload(), mesh=mesh, plan=plan,
-                               backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
-                               limit_all_gathers=limit_all_gathers)
+        self._config.plan = plan
+        state.preamble.extend(ModelFallback(note) for note in self._config.notes)
         self._unit_fqn = ""
         self.__dict__["_root"] = self  # not a submodule (that would be a cycle in the module tree)
         children = _parents_of(module)
-        for fqn, mod, _ in units:
+        for fqn, mod, overrides in units + [(fqn, mod, None) for fqn, mod, _ in rank_local]:
             if fqn == "":
                 continue
-            wrapper = FullyShardedDataParallel._unit(mod, fqn, self)
-            wrapper._full_precision = bool(full_precision) and isinstance(mod, tuple(set(full_precision)))
+            inner = wrappers.get(id(mod))
+            if inner is not None:  # nested construction: the user's instance becomes the unit
+                wrapper = inner._become_unit(fqn, self)
+            else:
+                wrapper = FullyShardedDataParallel._unit(mod, fqn, self)
+                wrapper._full_precision = bool(full_precision) and isinstance(mod, tuple(set(full_precision)))
+                wrapper._spec_args = {"sharding_strategy": overrides.get("sharding_strategy", strategy),
+                                      "mixed_precision": overrides.get("mixed_precision", mixed_precision)}
             for parent, name in children.get(id(mod), ()):
                 parent._modules[name] = wrapper
         self._sd_keys = list(_original_state_dict_keys)
         if mixed_precision is not None:
             _cast_buffers(module, mixed_precision.buffer_dtype, ignored[0],
                           full_precision if auto_wrap_policy is not None else ())
+        keys = frozenset(self.__dict__)
         compile_sharded(self, module, compile_config("FullyShardedDataParallel", self._compile_config(), **compile_options))
+        self._compile_keys = frozenset(self.__dict__) - keys
+        _compat.wrap_compiled_call(self, functools.partial(_marking_ran, self))  # outermost: a root that ran stays one
 
     @classmethod
     def _unit(cls, module: nn.Module, fqn: str, root: "FullyShardedDataParallel") -> "FullyShardedDataParallel":
@@ -161,7 +197,29 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         unit._graphshard = root._graphshard
         unit._config = root._config
         unit._full_precision = False
+        unit._ignored_sets = root._ignored_sets
         return unit
+
+    def _become_unit(self, fqn: str, root: "FullyShardedDataParallel") -> "FullyShardedDataParallel":
+        """This instance (built by the user inside the model, or by an inner instance's policy) as a unit
+        of ``root``: it keeps its own sharding strategy and mixed precision (``_spec_args``)."""
+        self._unit_fqn = fqn
+        self.__dict__["_root"] = root
+        self._graphshard = root._graphshard
+        self._config = root._config
+        self.__dict__.setdefault("_full_precision", False)
+        return self
+
+    def _release(self) -> None:
+        """Undoes this root's sharding and compile set-up (`_nesting.Snapshot`): an outer instance is
+        absorbing it. Its units' instances were taken out of the tree already (`_nesting.take_wrappers`)."""
+        module = self._fsdp_wrapped_module
+        self._snapshot.restore(self._graphshard, module)
+        self.__class__ = getattr(type(self), "_graphshard_base", type(self))
+        for key in self._compile_keys:
+            self.__dict__.pop(key, None)
+        for key in ("_snapshot", "_compile_keys", "_graphshard", "_sd_settings"):
+            self.__dict__.pop(key, None)
 
     def _compile_config(self) -> CompileConfig:
         """FSDP1's prefetch arguments as graphshard's scheduling settings (``CompileConfig``):
@@ -186,11 +244,13 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return self._config.strategy
+        """This instance's (its unit's) strategy."""
+        return self._spec_args["sharding_strategy"]
 
     @property
     def mixed_precision(self) -> MixedPrecision:
-        return self._config.mixed_precision or MixedPrecision()
+        """This instance's (its unit's) mixed precision."""
+        return self._spec_args["mixed_precision"] or MixedPrecision()
 
     @property
     def process_group(self):
@@ -212,7 +272,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
             dtype = _floating_dtype((args, kwargs))
             out = self._fsdp_wrapped_module(*_cast_floating(args, torch.float32), **_cast_floating(kwargs, torch.float32))
             return out if dtype is None else _cast_floating(out, dtype)
-        mp = self._config.mixed_precision
+        mp = self._spec_args["mixed_precision"]
         if mp is not None and mp.param_dtype is not None and (
                 mp.cast_forward_inputs or (self._is_root and mp.cast_root_forward_inputs)):
             args, kwargs = _cast_floating((args, kwargs), mp.param_dtype)
@@ -359,19 +419,43 @@ class _Config:
 
 
 def _check_module(module) -> None:
+    """A module this instance may wrap: graphshard's own instances inside it are units (nested
+    construction); torch's, or a module sharded by graphshard otherwise, are errors."""
     if not isinstance(module, nn.Module):
         raise ValueError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-    for fqn, m in module.named_modules():
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError("FullyShardedDataParallel got a FullyShardedDataParallel instance to wrap; wrap its module "
+                         "(.module) once, or wrap the model that holds it")
+
+    def visit(m: nn.Module, fqn: str) -> None:
         if isinstance(m, _TorchFSDP):
             raise ValueError(
                 f"module {fqn or '<root>'!r} is already wrapped by torch's FullyShardedDataParallel; graphshard.fsdp "
                 "and torch's FSDP do not nest: wrap the plain model with one of them"
             )
-        if isinstance(m, FullyShardedDataParallel) or state_of(m) is not None:
+        if isinstance(m, FullyShardedDataParallel):
+            return  # nested construction: a unit of this instance (`_nesting`)
+        if state_of(m) is not None:
             raise NotImplementedError(
-                f"module {fqn or '<root>'!r} is already sharded by graphshard; graphshard.fsdp decides every unit "
-                "at the root: pass auto_wrap_policy (or wrap the unsharded model once) instead of nesting instances"
+                f"module {fqn or '<root>'!r} is already sharded by graphshard (graphshard.compile or shard); "
+                "FullyShardedDataParallel wraps unsharded modules and its own instances: wrap the unsharded model"
             )
+        for name, child in m._modules.items():
+            if child is not None:
+                visit(child, f"{fqn}.{name}" if fqn else name)
+
+    visit(module, "")
+
+
+def _marking_ran(fsdp: "FullyShardedDataParallel", call: Callable) -> Callable:
+    """A root's compiled call that notes its first run: from then on it stays a root (`_nesting`)."""
+    def call_and_mark(*args, **kwargs):
+        if "_ran" not in fsdp.__dict__:
+            fsdp.__dict__["_ran"] = True
+            fsdp.__dict__.pop("_snapshot", None)
+        return call(*args, **kwargs)
+
+    return call_and_mark
 
 
 def _ignored(module: nn.Module, ignored_modules, ignored_states) -> tuple[set, set]:
