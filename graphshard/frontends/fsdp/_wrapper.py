@@ -304,6 +304,15 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         with ctx:
             return super().apply(fn)
 
+    def _assert_state(self, state) -> None:
+        """torch's FSDP1 check that an instance is in one of ``state`` (a ``TrainingState`` or a list of
+        them), which torch's own test harness calls after training: ``IDLE`` outside a forward or
+        backward, ``FORWARD_BACKWARD`` inside (the compiled program has no finer states)."""
+        names = {getattr(s, "name", s) for s in (state if isinstance(state, (list, tuple, set)) else [state])}
+        current = "FORWARD_BACKWARD" if in_forward() or _compat.in_autograd_backward() else "IDLE"
+        if current not in names:
+            raise AssertionError(f"expected to be in state {sorted(names)} but current state is {current}")
+
     # ------------------------------------------------------------------ static helpers
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
