@@ -72,7 +72,9 @@ class SparseCollection:
     table name (they stay where they are). ``fused_params``: fbgemm's optimizer keywords.
     """
 
-    __unkeyed__ = {"tbes": "the kernels' modules, built from the layout, plan and fused_params (keyed)"}
+    __unkeyed__ = {"tbes": "the kernels' modules, built from the layout, plan and fused_params (keyed)",
+                   "table_params": "views of the TBEs for named_parameters (state.table_parameter), made after "
+                                   "the program from the layout (keyed)"}
 
     def __init__(self, layout: CollectionLayout, weights: dict[str, torch.Tensor], dp_params: dict[str, nn.Parameter],
                  fused_params: dict, bounds_check: bool = True, need_indices: bool = False,
@@ -88,6 +90,7 @@ class SparseCollection:
         self.tbes = nn.ModuleDict()
         self.pieces: dict[str, list[tuple[TableShard, str, int]]] = {}  # table -> (shard, tbe name, table index)
         self.table_meshes: dict[tuple[int, ...], DeviceMesh] = {}  # the state dict's meshes by global ranks (state.py)
+        self.table_params: dict = {}  # each fused table as named_parameters lists it (state.table_parameter)
         rank = layout.rank
         twrw_here = [self.plan.twrw_features[i][0] for i in (self.plan.twrw_by_host[rank // layout.local_world]
                                                              if self.plan.twrw_features else [])]

@@ -131,6 +131,30 @@ def weight_key(coll, fqn: str, table: str) -> str:
     return f"{fqn + '.' if fqn else ''}{coll.layout.attr}.{table}.weight"
 
 
+class _FusedInBackward:
+    """What ``_in_backward_optimizers`` holds on a fused table's parameter: TorchRec's
+    ``in_backward_optimizer_filter`` only asks whether the attribute is there (the table's update is
+    ``fused_optimizer``'s, applied in the backward)."""
+
+    def __repr__(self) -> str:
+        return "graphshard fused TBE optimizer"
+
+
+def table_parameter(coll, table: str):
+    """A fused table as ``named_parameters`` lists it: one object per table and collection (so
+    duplicates drop by identity), a view of the TBE like the state dict's (a DTensor parameter; a
+    ShardedTensor where no DTensor placement fits), without a gradient of its own (the fused
+    optimizer updates it in the backward) and marked as TorchRec marks its fused tables."""
+    cache = coll.table_params
+    if table not in cache:
+        value = table_dtensor(coll, table)
+        if isinstance(value, DTensor):
+            value = torch.nn.Parameter(value, requires_grad=False)
+        value._in_backward_optimizers = [_FusedInBackward()]
+        cache[table] = value
+    return cache[table]
+
+
 def table_entries(coll, prefix: str) -> dict:
     return {f"{prefix}{coll.layout.attr}.{name}.weight": table_dtensor(coll, name) for name in _meshes(coll)}
 

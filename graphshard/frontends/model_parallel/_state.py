@@ -85,7 +85,37 @@ def _strip(name: str) -> bool:
 
 
 def named_parameters(dmp, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, nn.Parameter]]:
-    yield from dmp.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+    """TorchRec's ``DistributedModelParallel.named_parameters``: the module tree walked child by child,
+    each sharded collection giving every table under ``<fqn>.<embedding_bags|embeddings>.<table>.weight``
+    (a fused table: a DTensor view of its TBE, or TorchRec's ShardedTensor where no DTensor placement
+    fits, marked with ``_in_backward_optimizers`` so that TorchRec's ``in_backward_optimizer_filter``
+    leaves it to ``fused_optimizer``; a data-parallel table: its parameter). As TorchRec's, ``recurse``
+    is handed to the sharded collections (the rest of the tree is walked either way) and duplicates
+    are dropped by identity unless ``remove_duplicate=False``."""
+    sharded = {id(c): c for c in dmp._collections}
+    memo: set[int] = set()
+    for name, p in _named_parameters(dmp.module, prefix, recurse, sharded):
+        if id(p) in memo:
+            continue
+        if remove_duplicate:
+            memo.add(id(p))
+        yield name, p
+
+
+def _named_parameters(module: nn.Module, prefix: str, recurse: bool, sharded: dict):
+    coll = getattr(module, "_graphshard_sparse", None)
+    if coll is not None and id(coll) in sharded:
+        if recurse:
+            from graphshard.sparse.state import table_parameter
+
+            tables = getattr(module, coll.layout.attr)
+            for t in coll.layout.tables:
+                p = table_parameter(coll, t.name) if t.fused else tables[t.name].weight
+                yield f"{prefix}.{coll.layout.attr}.{t.name}.weight" if prefix else f"{coll.layout.attr}.{t.name}.weight", p
+        return
+    yield from module.named_parameters(prefix=prefix, recurse=False)
+    for name, child in module.named_children():
+        yield from _named_parameters(child, f"{prefix}.{name}" if prefix else name, recurse, sharded)
 
 
 def named_buffers(dmp, prefix: str, recurse: bool, remove_duplicate: bool) -> Iterator[tuple[str, torch.Tensor]]:
