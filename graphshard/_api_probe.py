@@ -234,8 +234,10 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     # autograd, nn.Module internals, pytree
     ("torch._C._current_graph_task_id", "fsdp/_wrapper.py (_compat.in_autograd_backward)"),
     ("torch.nn.modules.module._IncompatibleKeys", "fsdp/_state_dict.py (_compat.incompatible_keys)"),
-    ("torch.nn.Module()._compiled_call_impl", f"{_COMPAT} wrap_compiled_call (api.py compile_sharded)"),
-    ("torch.nn.Module()._parameters", "storage.py, params.py, fsdp/ (parameter storage)"),
+    ("torch.nn.Module()._compiled_call_impl", f"{_COMPAT} wrap_compiled_call (api.py compile_sharded), drop_compiled_call"),
+    ("torch.nn.Module()._parameters", "storage.py, params.py, fsdp/, frontends/user_styles.py (parameter storage)"),
+    ("torch.nn.Module()._forward_pre_hooks", f"{_COMPAT} forward_hooks (frontends/user_styles.py)"),
+    ("torch.nn.Module()._forward_hooks", f"{_COMPAT} forward_hooks (frontends/user_styles.py)"),
     ("torch.nn.Module()._buffers", "storage.py, fsdp/_state_dict.py"),
     ("torch.nn.Module()._modules", "storage.py (module tree rewrites)"),
     ("torch.nn.Module()._non_persistent_buffers_set", "fsdp/_state_dict.py"),

@@ -371,6 +371,18 @@ def wrap_compiled_call(module: torch.nn.Module, wrap: Callable[[Callable], Calla
     module._compiled_call_impl = wrap(call)
 
 
+def forward_hooks(module: torch.nn.Module) -> tuple[list, list]:
+    """The forward pre-hooks and forward hooks registered on ``module`` (``register_forward_pre_hook``,
+    ``register_forward_hook``), in order."""
+    return list(module._forward_pre_hooks.values()), list(module._forward_hooks.values())
+
+
+def drop_compiled_call(module: torch.nn.Module) -> None:
+    """Undoes ``module.compile()``: ``module(...)`` runs its forward uncompiled again."""
+    if "_compiled_call_impl" in module.__dict__:
+        module._compiled_call_impl = None
+
+
 def fsdp_default_hooks():
     """torch's FSDP default communication hooks (``allreduce_hook``, ``reduce_scatter_hook``,
     ``fp16_compress_hook``, ``bf16_compress_hook``): the module users take them from."""

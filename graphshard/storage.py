@@ -205,7 +205,39 @@ def loading_full_tensors(model: nn.Module) -> None:
                     state_dict[key] = _distribute(value.detach().to(device=local.device), info, state.plan,
                                                   split_here=True)
 
-    model.register_load_state_dict_pre_hook(hook)
+    model._graphshard_load_hook = model.register_load_state_dict_pre_hook(hook)
+
+
+def unshard(model: nn.Module) -> None:
+    """Gives a model sharded by a model-parallel plan alone (no data-parallel units, flat parameters
+    or embedding collections) its plain self back: each sharded parameter becomes a new
+    ``nn.Parameter`` holding the whole tensor (gathered, so every rank calls this together), every
+    module its own class, the root its uncompiled call. Tensor parallelism's frontend uses it to
+    apply several ``parallelize_module`` calls on one model as one plan (each call gathers what the
+    last one sharded and shards the merged plan)."""
+    state = state_of(model)
+    assert state is not None and not state.units and not state.flat and not state.collections, state
+    for mod in getattr(state.dynamo_regions, "marked", ()):  # repeated blocks' region classes first
+        mod.__class__ = type(mod).__bases__[0]
+    whole: dict[int, nn.Parameter] = {}
+    for info in state.params.values():
+        mod, name = info.owner
+        p = mod._parameters[name]
+        with torch.no_grad():
+            whole[id(p)] = nn.Parameter(info.full(), requires_grad=p.requires_grad)
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in whole:
+                mod._parameters[name] = whole[id(p)]
+        base = getattr(type(mod), "_graphshard_base", None)
+        if base is not None:
+            mod.__class__ = base
+        hook = mod.__dict__.get("_graphshard_load_hook")
+        if hook is not None:
+            hook.remove()
+        for key in [k for k in mod.__dict__ if k.startswith("_graphshard")]:
+            del mod.__dict__[key]
+    _compat.drop_compiled_call(model)
 
 
 def _checkpointing(model: nn.Module, resolution) -> list[str]:

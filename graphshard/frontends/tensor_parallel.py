@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Mapping
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from graphshard import _compat, api
-from graphshard.plan import Plan
+from graphshard import _compat, api, storage
+from graphshard.frontends import user_styles
+from graphshard.plan import Plan, fqn_match as plan_match
 from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -28,6 +30,10 @@ from graphshard.styles import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+
+_PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""The modules this frontend compiled, each the outermost of its calls (`parallelize_module`)."""
 
 
 def parallelize_module(
@@ -39,9 +45,13 @@ def parallelize_module(
     FQN glob to style) over the 1-D ``device_mesh`` (default: the mesh of the enclosing
     ``with mesh:``) and compiles ``module`` with graphshard. Returns ``module``.
 
-    A module object reachable under several FQNs is parallelized once. Calling it
-    again for other submodules of an already parallelized model is fine; a
-    parameter already parallelized is a ValueError.
+    Styles are graphshard's (the documented ones, same arguments as torch's) or a user's own
+    subclass of torch's ``ParallelStyle`` whose ``_apply`` calls ``distribute_module``
+    (`graphshard.frontends.user_styles`). A module object reachable under several FQNs is
+    parallelized once. Several calls on one model, in any order (the root, then each block;
+    each block, then the root), make one plan: each call gathers what the earlier ones sharded and
+    shards and compiles the outermost module with all their styles, so the result is that of one
+    call with the merged plan. A module styled by two calls is a ValueError.
     """
     if device_mesh is None:
         device_mesh = _compat.current_mesh()
@@ -56,7 +66,7 @@ def parallelize_module(
     if parallelize_plan is None:
         warnings.warn("parallelize_module: no parallelize_plan given, the module is returned unchanged", stacklevel=2)
         return module
-    if isinstance(parallelize_plan, ParallelStyle):
+    if isinstance(parallelize_plan, (ParallelStyle, user_styles.TorchStyle)):
         parallelize_plan = {"": parallelize_plan}
     elif not isinstance(parallelize_plan, Mapping):
         raise ValueError(
@@ -64,9 +74,81 @@ def parallelize_module(
             f"got {type(parallelize_plan).__name__}"
         )
     for key, style in parallelize_plan.items():
-        if not isinstance(style, ParallelStyle):
-            raise ValueError(f"parallelize_plan[{key!r}] is {style!r}; expected a ParallelStyle such as ColwiseParallel()")
-    return api.compile(module, Plan(device_mesh, dict(parallelize_plan)))
+        if not isinstance(style, ParallelStyle) and not user_styles.is_user_style(style):
+            raise ValueError(
+                f"parallelize_plan[{key!r}] is {style!r}; expected a ParallelStyle: graphshard's ColwiseParallel(), "
+                "RowwiseParallel(), SequenceParallel(), PrepareModuleInput(), PrepareModuleOutput(), or your own "
+                "subclass of torch's ParallelStyle whose _apply calls distribute_module"
+                + (f" (torch's {type(style).__name__} is for torch's parallelize_module: use "
+                   f"graphshard.tensor_parallel.{type(style).__name__}, which has the same arguments)"
+                   if user_styles.is_torch_builtin(style) else "")
+            )
+    target, rules = _merged(module, device_mesh, dict(parallelize_plan))
+    for earlier in [m for m in _PARALLELIZED if m is target or _inside(m, target)]:
+        storage.unshard(earlier)  # gathers what an earlier call sharded: the merged plan shards it again
+        _PARALLELIZED.discard(earlier)
+    plan_rules = user_styles.expand(target, device_mesh, rules)
+    api.compile(target, Plan(device_mesh, plan_rules))
+    target._graphshard_tp_rules = rules  # what the next call on this model merges with
+    _PARALLELIZED.add(target)
+    return module
+
+
+def _inside(inner: nn.Module, outer: nn.Module) -> bool:
+    return inner is not outer and any(m is inner for m in outer.modules())
+
+
+def _fqn_in(outer: nn.Module, inner: nn.Module) -> str | None:
+    return next((fqn for fqn, m in outer.named_modules() if m is inner), None)
+
+
+def _join(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix and key else prefix or key
+
+
+def _merged(module: nn.Module, mesh: DeviceMesh, plan: dict) -> tuple[nn.Module, dict]:
+    """The module to compile and its merged plan: ``module``'s, with the plans of the earlier calls
+    on it, on a module that holds it (then that one is compiled) or on modules it holds."""
+    outer = next((m for m in _PARALLELIZED if m is module or _inside(module, m)), None)
+    earlier: list[tuple[nn.Module, str]] = []  # (a module an earlier call compiled, its FQN in the target)
+    if outer is not None:
+        target, prefix = outer, _fqn_in(outer, module)
+        earlier.append((outer, ""))
+    else:
+        target, prefix = module, ""
+        earlier.extend((m, _fqn_in(module, m)) for m in list(_PARALLELIZED) if _inside(m, module))
+    if storage.state_of(target) is not None and target not in _PARALLELIZED:
+        raise ValueError(f"{type(target).__name__} is already sharded by graphshard (graphshard.compile or another "
+                         "frontend); parallelize_module applies to a model that only parallelize_module has sharded")
+    rules: dict = {}
+    for mod, at in earlier:
+        state = storage.state_of(mod)
+        if state.plan.mesh != mesh:
+            raise ValueError(
+                f"parallelize_module: {type(module).__name__} is parallelized over mesh {mesh}, but an earlier call "
+                f"parallelized {type(mod).__name__}{f' ({at!r})' if at else ''} over {state.plan.mesh}; every call "
+                "on one model takes the same tensor-parallel mesh")
+        rules.update({_join(at, k): v for k, v in mod._graphshard_tp_rules.items()})
+    styled = _styled_modules(target, rules)
+    for key, style in plan.items():
+        full = _join(prefix, key)
+        for fqn, mod in target.named_modules():
+            if plan_match(fqn, full) and id(mod) in styled:
+                before, by = styled[id(mod)]
+                raise ValueError(
+                    f"module {fqn!r} was parallelized by an earlier parallelize_module call ({by!r}: {before!r}); a "
+                    f"module takes one style (torch would stack both styles' hooks): drop {key!r} from this plan")
+        rules[full] = style
+    return target, rules
+
+
+def _styled_modules(root: nn.Module, rules: dict) -> dict[int, tuple]:
+    out = {}
+    for key, style in rules.items():
+        for fqn, mod in root.named_modules():
+            if plan_match(fqn, key):
+                out.setdefault(id(mod), (style, key))
+    return out
 
 
 @contextlib.contextmanager
