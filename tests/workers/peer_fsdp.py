@@ -22,7 +22,9 @@ Each CASE is ``model:strategy:params[:flag ...]``. ``model`` is one of torch's
 ``params``: flat | orig (``use_orig_params``). Flags: ``fp16`` / ``bf16`` (``MixedPrecision`` of
 that dtype on every instance, reductions in fp32), ``innersgo`` (``enablewrap`` only: the inner
 instances ``SHARD_GRAD_OP``, the root the case's strategy), ``innerbf16`` (``enablewrap`` only:
-the inner instances bf16 mixed precision, the root none), ``parity`` (torch's own
+bf16 mixed precision everywhere, the root reducing in fp32 and the inner instances in bf16; a
+root without mixed precision cannot hold bf16 inner units in this layout, in torch either: the
+root's last layer would take their bf16 output), ``parity`` (torch's own
 ``FSDPTestMixin._test_fsdp_parity`` too, with graphshard's class as its ``FSDP``).
 
 How graphshard's class gets into torch's helpers: they call the name ``FSDP`` of their module.
@@ -80,7 +82,7 @@ def fsdp_kwargs(which: str, strategy: str, params: str, flags: list[str]) -> dic
 
     kw = dict(sharding_strategy=ShardingStrategy[strategy.upper()], use_orig_params=params == "orig",
               device_id=CPU, backward_prefetch=None)
-    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("innerbf16", torch.bfloat16)):
         if name in flags:
             kw["mixed_precision"] = MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=dtype)
     if "hybrid" in strategy:
@@ -149,8 +151,9 @@ def enable_wrap_model(cf, kw: dict, flags: list[str]):
     inner = {}
     if "innersgo" in flags:
         inner["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
-    if "innerbf16" in flags:
-        inner["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if "innerbf16" in flags:  # the root bf16 reducing in fp32 (the case's kw), the inner instances reducing in bf16
+        inner["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                                  buffer_dtype=torch.bfloat16)
     with enable_wrap(wrapper_cls=cf.FSDP, **kw):
         m.module[1][0] = wrap(m.module[1][0], **inner)
         m.module[1] = wrap(m.module[1], **inner)
