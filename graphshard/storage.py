@@ -17,6 +17,7 @@ import logging
 import sys
 import threading
 import types
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -175,6 +176,7 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
                          name=type(model).__name__)
     sharding.register(state)
     model._graphshard = state
+    model._graphshard_sources = {key_of[id(p)]: weakref.ref(p) for p, _ in replaced_params}  # `unshard`'s ties
     for p, fqn in replaced_params:  # an optimizer built over the old parameters stops at its step (`replaced`)
         replaced.remember(p, fqn, type(model).__name__)
     return model
@@ -208,27 +210,36 @@ def loading_full_tensors(model: nn.Module) -> None:
     model._graphshard_load_hook = model.register_load_state_dict_pre_hook(hook)
 
 
-def unshard(model: nn.Module) -> None:
+def unshard(model: nn.Module, within: nn.Module | None = None) -> None:
     """Gives a model sharded by a model-parallel plan alone (no data-parallel units, flat parameters
     or embedding collections) its plain self back: each sharded parameter becomes a new
     ``nn.Parameter`` holding the whole tensor (gathered, so every rank calls this together), every
     module its own class, the root its uncompiled call. Tensor parallelism's frontend uses it to
     apply several ``parallelize_module`` calls on one model as one plan (each call gathers what the
-    last one sharded and shards the merged plan)."""
+    last one sharded and shards the merged plan). ``within``: a module holding ``model`` whose other
+    modules may hold the same parameters (a tied weight); they get the whole parameter too."""
     state = state_of(model)
     assert state is not None and not state.units and not state.flat and not state.collections, state
     for mod in getattr(state.dynamo_regions, "marked", ()):  # repeated blocks' region classes first
         mod.__class__ = type(mod).__bases__[0]
     whole: dict[int, nn.Parameter] = {}
+    held = {id(q) for m in (within or model).modules() for q in m._parameters.values() if q is not None}
+    sources = model.__dict__.get("_graphshard_sources", {})
     for info in state.params.values():
         mod, name = info.owner
         p = mod._parameters[name]
+        source = sources[info.key]() if info.key in sources else None
         with torch.no_grad():
-            whole[id(p)] = nn.Parameter(info.full(), requires_grad=p.requires_grad)
-    for mod in model.modules():
+            if source is not None and id(source) in held:  # tied to a module outside ``model``: tied again
+                source.copy_(info.full())
+                whole[id(p)] = source
+            else:
+                whole[id(p)] = nn.Parameter(info.full(), requires_grad=p.requires_grad)
+    for mod in (within or model).modules():
         for name, p in list(mod._parameters.items()):
             if p is not None and id(p) in whole:
                 mod._parameters[name] = whole[id(p)]
+    for mod in model.modules():
         base = getattr(type(mod), "_graphshard_base", None)
         if base is not None:
             mod.__class__ = base

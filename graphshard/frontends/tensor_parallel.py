@@ -12,6 +12,8 @@ specs, so tensor parallelism on a ``"tp"`` mesh axis combines with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import warnings
 import weakref
 from typing import Mapping
@@ -32,14 +34,27 @@ from graphshard.styles import (
 )
 
 
-_PARALLELIZED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-"""The modules this frontend compiled, each the outermost of its calls (`parallelize_module`)."""
+_PARALLELIZED: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+"""The modules this frontend compiled, each the outermost of its calls (`parallelize_module`), by call
+number: every rank walks them in the same order (each unshard gathers)."""
+_calls = itertools.count()
+
+
+def _parallelized() -> list[nn.Module]:
+    return [m for _, m in sorted(_PARALLELIZED.items(), key=lambda kv: kv[0])]
+
+
+def _forget(module: nn.Module) -> None:
+    for k, m in list(_PARALLELIZED.items()):
+        if m is module:
+            del _PARALLELIZED[k]
 
 
 def parallelize_module(
     module: nn.Module,
     device_mesh: DeviceMesh | None = None,
     parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
+    **compile_options,
 ) -> nn.Module:
     """Applies ``parallelize_plan`` (a style for ``module`` itself, or a dict from submodule
     FQN glob to style) over the 1-D ``device_mesh`` (default: the mesh of the enclosing
@@ -52,6 +67,8 @@ def parallelize_module(
     each block, then the root), make one plan: each call gathers what the earlier ones sharded and
     shards and compiles the outermost module with all their styles, so the result is that of one
     call with the merged plan. A module styled by two calls is a ValueError.
+    ``**compile_options``: `graphshard.compile`'s keywords (``lower="eager"`` ...); a later call's
+    options add to the earlier calls'.
     """
     if device_mesh is None:
         device_mesh = _compat.current_mesh()
@@ -84,13 +101,16 @@ def parallelize_module(
                    if user_styles.is_torch_builtin(style) else "")
             )
     target, rules = _merged(module, device_mesh, dict(parallelize_plan))
-    for earlier in [m for m in _PARALLELIZED if m is target or _inside(m, target)]:
-        storage.unshard(earlier)  # gathers what an earlier call sharded: the merged plan shards it again
-        _PARALLELIZED.discard(earlier)
+    options = {**getattr(target, "_graphshard_tp_options", {}), **compile_options}
+    config = api.compile_config("parallelize_module", **options)  # an unknown keyword fails before anything changes
+    for earlier in [m for m in _parallelized() if m is target or _inside(m, target)]:
+        storage.unshard(earlier, within=target)  # gathers what an earlier call sharded: the merged plan shards it again
+        _forget(earlier)
     plan_rules = user_styles.expand(target, device_mesh, rules)
-    api.compile(target, Plan(device_mesh, plan_rules))
+    api.compile(target, Plan(device_mesh, plan_rules), **dataclasses.asdict(config))
     target._graphshard_tp_rules = rules  # what the next call on this model merges with
-    _PARALLELIZED.add(target)
+    target._graphshard_tp_options = options
+    _PARALLELIZED[next(_calls)] = target
     return module
 
 
@@ -109,15 +129,15 @@ def _join(prefix: str, key: str) -> str:
 def _merged(module: nn.Module, mesh: DeviceMesh, plan: dict) -> tuple[nn.Module, dict]:
     """The module to compile and its merged plan: ``module``'s, with the plans of the earlier calls
     on it, on a module that holds it (then that one is compiled) or on modules it holds."""
-    outer = next((m for m in _PARALLELIZED if m is module or _inside(module, m)), None)
+    outer = next((m for m in _parallelized() if m is module or _inside(module, m)), None)
     earlier: list[tuple[nn.Module, str]] = []  # (a module an earlier call compiled, its FQN in the target)
     if outer is not None:
         target, prefix = outer, _fqn_in(outer, module)
         earlier.append((outer, ""))
     else:
         target, prefix = module, ""
-        earlier.extend((m, _fqn_in(module, m)) for m in list(_PARALLELIZED) if _inside(m, module))
-    if storage.state_of(target) is not None and target not in _PARALLELIZED:
+        earlier.extend((m, _fqn_in(module, m)) for m in _parallelized() if _inside(m, module))
+    if storage.state_of(target) is not None and not any(m is target for m in _parallelized()):
         raise ValueError(f"{type(target).__name__} is already sharded by graphshard (graphshard.compile or another "
                          "frontend); parallelize_module applies to a model that only parallelize_module has sharded")
     rules: dict = {}
