@@ -111,6 +111,11 @@ def test_graphshard_matches_torch_fsdp1(results, case):
         assert r["torch_loss_err"] < TOL and r["torch_param_err"] < TOL, r
 
 
+@pytest.mark.parametrize("case", ROOTLESS)
+def test_an_instance_that_ran_as_a_root_is_not_absorbed_later(results, case):
+    assert "has already run a forward as a root" in (results[case]["rewrap_error"] or ""), results[case]
+
+
 @pytest.mark.parametrize("case", LOW_PRECISION)
 def test_mixed_precision_as_torch(results, case):
     """fp16 / bf16 ``MixedPrecision``: graphshard's run within a share of the whole effect of low precision
@@ -266,3 +271,16 @@ def test_wrapping_a_wrapper_is_an_error():
 
     with pytest.raises(ValueError, match="wrap its module"):
         FSDP(FSDP(nn.Linear(8, 8)))
+
+
+def test_an_inner_prefetch_setting_follows_the_root_and_explain_says_so(caplog):
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    import graphshard
+    from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+    model = nn.Sequential(FSDP(nn.Linear(8, 8), backward_prefetch=BackwardPrefetch.BACKWARD_POST), nn.Linear(8, 8))
+    with caplog.at_level("WARNING", logger="graphshard"):
+        root = FSDP(model)
+    assert "unit '0' was built with backward_prefetch=<BackwardPrefetch.BACKWARD_POST" in caplog.text
+    assert "fallbacks (model): unit '0' was built with backward_prefetch" in graphshard.explain(root)

@@ -253,6 +253,8 @@ def run_case(case: str) -> dict:
         losses = train(wrapped)
         sd = full_state_dict(which, wrapped)
         runs[which] = (losses, sd)
+        if which == "graphshard":
+            wrapped_graphshard = wrapped
         out[f"{which}_names"] = names
         out[f"{which}_keys"] = {k: list(v.shape) for k, v in sd.items()}
         out[f"{which}_fsdp_modules"] = len(helpers(which).FSDP.fsdp_modules(wrapped))
@@ -273,6 +275,12 @@ def run_case(case: str) -> dict:
     (gl, gsd), (tl, tsd) = runs["graphshard"], runs["torch"]
     out["between_loss_err"] = _all_max(seq_err(gl, tl))
     out["between_param_err"] = _all_max(_sd_err(gsd, tsd))
+    if model == "rootless":  # an instance that ran as a root is not absorbed by a later root
+        try:
+            helpers("graphshard").FSDP(wrapped_graphshard)
+            out["rewrap_error"] = None
+        except ValueError as e:
+            out["rewrap_error"] = str(e)
     if "parity" in flags:
         torch._dynamo.reset()
         out["torch_harness"] = torch_parity(fsdp_kwargs("graphshard", strategy, params, flags), model)
