@@ -181,8 +181,10 @@ def _checked_keys(layout: CollectionLayout, features) -> list[str]:
         )
     if features.variable_stride_per_key():
         raise NotImplementedError(f"{layout.fqns[0]}: a KeyedJaggedTensor with a variable batch per feature "
-                                  "(stride_per_key_per_rank) is not supported yet; give every feature the batch's "
-                                  "stride (empty bags for the samples a feature lacks)")
+                                  "(stride_per_key_per_rank) reached the sharded lookup inside the model; "
+                                  "DistributedModelParallel expands one it is given (top level or one attribute "
+                                  "down, as TorchRec's ModelInput and Batch hold them): pass it in, or give every "
+                                  "feature the batch's stride")
     return keys
 
 

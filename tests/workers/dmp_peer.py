@@ -32,8 +32,9 @@ TorchRec's DMP raises, its error is the result (the test decides whether that is
 
 from __future__ import annotations
 
-import copy
+import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -180,10 +181,8 @@ def _train(dmp, batches, rank: int) -> tuple[list[float], torch.Tensor]:
     with torch.no_grad():
         dmp.train(False)
         pred = dmp(batches[-1][1][rank])
-    sizes = [None] * dist.get_world_size()
-    dist.all_gather_object(sizes, pred.shape[0])
-    parts = [torch.empty(n, dtype=pred.dtype) for n in sizes]
-    dist.all_gather(parts, pred.contiguous())
+    parts = [None] * dist.get_world_size()  # the ranks' batches may differ (variable_batch_size)
+    dist.all_gather_object(parts, pred.detach())
     return losses, torch.cat(parts)
 
 
@@ -225,7 +224,13 @@ def _side(which: str, kind, flags, unweighted, weighted, groups, glob_state, bat
     _copy_in(dmp, glob_state)
     losses, pred = _train(dmp, batches, rank)
     state = dmp.state_dict()
+    report = ""
+    if which == "graphshard" and rank == 0:
+        import graphshard
+
+        report = graphshard.explain(dmp)
     return {
+        "explain": report,
         "losses": losses, "pred": pred,
         "state": {k: _full(v) for k, v in state.items()},
         "shapes": {k: list(v.shape) if hasattr(v, "shape") else list(v.size()) for k, v in state.items()},
@@ -261,6 +266,8 @@ def run(case: str) -> dict:
             sides[which] = _side(which, kind, flags, unweighted, weighted, groups, glob_state, batches, rank, world)
         except Exception as e:  # noqa: BLE001 - the error is the result (a refusal, or the peer's CPU limit)
             errors[which] = _error(e)
+            if os.environ.get("GS_PEER_TRACE"):
+                traceback.print_exc()
             dist.barrier()
 
     def against(a: dict, b_losses, b_pred, b_state) -> dict:
@@ -278,7 +285,7 @@ def run(case: str) -> dict:
     if gs:
         out["gs_ref"] = against(gs, ref_losses, ref_pred, ref_state)
         out["plan"] = gs["plan"]
-        out["gs_shapes"], out["gs_names"] = gs["shapes"], gs["names"]
+        out["gs_shapes"], out["gs_names"], out["explain"] = gs["shapes"], gs["names"], gs["explain"]
         out["gs_names_prefixed"], out["gs_names_shallow"] = gs["names_prefixed"], gs["names_shallow"]
     if tr:
         out["tr_ref"] = against(tr, ref_losses, ref_pred, ref_state)

@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from graphshard import _compat
 from graphshard.api import compile_config, compile_sharded
-from graphshard.frontends.model_parallel import _state
+from graphshard.compiler.collective_check import CollectiveMismatch
+from graphshard.frontends.model_parallel import _batches, _state
 from graphshard.planning.embedding_planner import EmbeddingShardingPlanner
 from graphshard.plan import FullyShard, Plan, Replicate
 from graphshard.sparse import torchrec_plan
@@ -247,6 +248,9 @@ class DistributedModelParallel(nn.Module):
         if _proxies(args, kwargs):
             return _opaque_call(self._dmp_wrapped_module, args, kwargs)
         _state.check_inputs(args, kwargs)
+        # variable batches (per feature, per rank) made the program's one shape (_batches.py)
+        state = state_of(self._dmp_wrapped_module)
+        args, kwargs = _batches.prepare(args, kwargs, state.preamble if state is not None else [])
         if self._plan_estimate is not None:  # the measured step beside the planner's estimate (explain)
             now = time.perf_counter()
             if self._last_forward is not None:
@@ -254,11 +258,22 @@ class DistributedModelParallel(nn.Module):
                 measured.append(now - self._last_forward)
                 del measured[:-100]
             self._last_forward = now
-        if self._sequence:
-            # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
-            with _compat.trace_data_dependent_outputs():
-                return self._dmp_wrapped_module(*args, **kwargs)
-        return self._dmp_wrapped_module(*args, **kwargs)
+        try:
+            if self._sequence:
+                # a sequence lookup's rows per feature are as many as its ids: traced, not a graph break
+                with _compat.trace_data_dependent_outputs():
+                    return self._dmp_wrapped_module(*args, **kwargs)
+            return self._dmp_wrapped_module(*args, **kwargs)
+        except CollectiveMismatch as e:  # raised on every rank together: they can compare their batches
+            differ = _batches.batches_differ(args, kwargs, self._env.process_group)
+            if differ is None:
+                raise
+            raise NotImplementedError(
+                f"the ranks' KeyedJaggedTensors have different batch sizes ({differ}; TorchRec's "
+                "variable_batch_size): graphshard compiles each rank's step from its own input shapes, and with "
+                "different batches the ranks' programs (and their collectives) differ. Give every rank the same "
+                "batch size (empty bags for the samples a rank lacks, its dense input padded to match), or a "
+                "variable batch per feature within one batch size (VBE), which works") from e
 
     # ---- TorchRec's accessors ----
     @property
