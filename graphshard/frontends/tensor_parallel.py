@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
+import re
 import warnings
 import weakref
 from typing import Mapping
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from graphshard import _compat, api, storage
 from graphshard.frontends import user_styles
@@ -108,10 +111,41 @@ def parallelize_module(
         _forget(earlier)
     plan_rules = user_styles.expand(target, device_mesh, rules)
     api.compile(target, Plan(device_mesh, plan_rules), **dataclasses.asdict(config))
+    local_outputs = [k for k, st in rules.items() if getattr(st, "use_local_output", False)
+                     and isinstance(getattr(st, "output_layouts", None), Shard)]
+    if local_outputs:
+        _compat.wrap_compiled_call(target, _naming_local_outputs(local_outputs))
     target._graphshard_tp_rules = rules  # what the next call on this model merges with
     target._graphshard_tp_options = options
     _PARALLELIZED[next(_calls)] = target
     return module
+
+
+def _naming_local_outputs(keys: list[str]):
+    """A wrap of the compiled call: a trace that fails on a shape (dynamo's fake-tensor error) in a
+    model with sharded outputs declared ``use_local_output=True`` is refused with the reason. torch
+    hands the code after such a module its local piece; graphshard's program reads it whole (so that
+    hard-coded global head counts work, docs/design/tensor-parallel.md), and code sized for the
+    piece (torch's recipe: ``attn.n_heads = n_heads // tp``) then fails while dynamo traces."""
+    def wrap(call):
+        @functools.wraps(call)
+        def compiled_call(*args, **kwargs):
+            try:
+                return call(*args, **kwargs)
+            except Exception as e:
+                if "when making fake tensor call" not in str(e):
+                    raise
+                shape = re.search(r"got RuntimeError\((.*?)\)\n", str(e))
+                raise NotImplementedError(
+                    f"tracing failed on a shape ({shape.group(1) if shape else str(e).splitlines()[0][:300]}) "
+                    f"after modules whose sharded output is declared use_local_output=True ({', '.join(map(repr, keys[:6]))}"
+                    f"{' ...' if len(keys) > 6 else ''}): torch hands the code after them its local piece, graphshard's "
+                    "program reads that output whole, so code sized for the piece (a head count set to "
+                    "n_heads // tp) does not fit. Set use_local_output=False on those styles (a DTensor output: "
+                    "the code sees the whole shape under torch too) and keep the model's global sizes, or size "
+                    "the views with -1") from e
+        return compiled_call
+    return wrap
 
 
 def _inside(inner: nn.Module, outer: nn.Module) -> bool:

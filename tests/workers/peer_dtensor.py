@@ -264,7 +264,7 @@ def run(name: str) -> dict:
     torch.manual_seed(0)
     ref = make()
     theirs, ours = copy.deepcopy(ref), copy.deepcopy(ref)
-    result = {"case": name, "lower": lowering()}
+    result = {"case": name, "lowering": lowering()}
     single = _train(ref, kind, sharded=False)
     try:
         parallelize(theirs, mesh, TORCH_NAMES)
