@@ -333,11 +333,56 @@ def test_shared_module_is_parallelized_once():
                            "second": TorchColwise(output_layouts=Replicate())})
 
 
-def test_parallelizing_a_parameter_twice_is_an_error():
+def test_parallelizing_a_module_twice_is_an_error():
     model = seeded(MLP, 16, 32, 8)
     parallelize_module(model.fc1, mesh1d("tp"), ColwiseParallel())
-    with pytest.raises(ValueError, match="'fc1.weight' is already sharded"):
+    with pytest.raises(ValueError, match=r"^module 'fc1' was parallelized by an earlier parallelize_module call "
+                                         r"\('fc1': ColwiseParallel\(.*\)\); a module takes one style .*: drop 'fc1' "
+                                         r"from this plan$"):
         parallelize_module(model, mesh1d("tp"), {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+@pytest.mark.parametrize("order", ["root_first", "block_first"])
+def test_several_calls_in_any_order_are_one_plan(order):
+    # torch's helpers parallelize the root, then each block in its own call; any order is one plan:
+    # the outermost module is compiled once with every call's styles, the blocks are not compiled apart
+    model = seeded(MLP, 16, 32, 8)
+    calls = [(model, {"fc2": RowwiseParallel()}), (model.fc1, ColwiseParallel())]
+    for module, plan in (calls if order == "root_first" else calls[::-1]):
+        assert parallelize_module(module, mesh1d("tp"), plan) is module
+    assert model.fc1.weight.placements == (Shard(0),) and model.fc2.weight.placements == (Shard(1),)
+    assert "_graphshard" in model.__dict__ and "_graphshard" not in model.fc1.__dict__
+    assert sorted(model._graphshard_tp_rules) == ["fc1", "fc2"]
+    with pytest.raises(ValueError, match="over mesh"):
+        parallelize_module(model.fc2, init_device_mesh("cpu", (4,)), RowwiseParallel())
+
+
+def test_a_user_style_that_replaces_its_module_is_refused():
+    from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
+
+    class Replacing(TorchStyle):
+        def _apply(self, module, device_mesh):
+            return nn.Linear(2, 2)
+
+    model = seeded(MLP, 16, 32, 8)
+    with pytest.raises(NotImplementedError, match=r"^Replacing on 'fc1': the style's _apply returned another module"):
+        parallelize_module(model, mesh1d("tp"), {"fc1": Replacing()})
+
+
+def test_a_user_style_placement_is_read_from_its_partition_fn():
+    from torch.distributed.tensor import distribute_module, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
+
+    class RowsOfFc(TorchStyle):  # no hooks: only what partition_fn does to the parameters
+        def _apply(self, module, device_mesh):
+            def partition(name, mod, mesh):
+                if name == "":
+                    mod.register_parameter("weight", nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)])))
+            return distribute_module(module, device_mesh, partition)
+
+    model = seeded(MLP, 16, 32, 8)
+    parallelize_module(model, mesh1d("tp"), {"fc1": RowsOfFc()})
+    assert model.fc1.weight.placements == (Shard(0),) and model.fc1.bias.placements == (Replicate(),)
 
 
 def test_loss_parallel_on_dtensor_logits_is_torchs():

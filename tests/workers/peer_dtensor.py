@@ -53,7 +53,8 @@ def rebound(fn, names: dict):
 
 
 def graphshard_names() -> dict:
-    return {"parallelize_module": functools.partial(gtp.parallelize_module, lower=lowering()),
+    lower = {} if lowering() == "inductor" else {"lower": lowering()}  # parallelize_module's default: Inductor
+    return {"parallelize_module": functools.partial(gtp.parallelize_module, **lower),
             "ColwiseParallel": gtp.ColwiseParallel, "RowwiseParallel": gtp.RowwiseParallel,
             "SequenceParallel": gtp.SequenceParallel, "PrepareModuleInput": gtp.PrepareModuleInput,
             "PrepareModuleOutput": gtp.PrepareModuleOutput}
