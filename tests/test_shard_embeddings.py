@@ -85,7 +85,7 @@ def after_pass(tables, sharding, upto="shard_embeddings", ahead=None):
     gs_plan = graphshard.Plan(mesh, dmp._dense_rules(), ignored_params=dmp._whole_gradients())  # DMP's own
     graphshard.shard(dmp.module, gs_plan)
     dmp.module._graphshard.collections.extend(dmp._collections)  # as DMP's init_data_parallel records them
-    features = [f for t in tables for f in t.feature_names]
+    features = list(dict.fromkeys(f for t in tables for f in t.feature_names))  # a feature of two tables: one key
     kjt = _kjt(features)
     if ahead is not None:
         attach(kjt, dmp._collections[0].layout.key, *ahead)
@@ -333,6 +333,80 @@ class <lambda>(torch.nn.Module):
         triton_tbe_lookup: "f32[8, 4]" = torch.ops.graphshard.triton_tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_rw_triton_weights_offsets, _sparse_rw_triton_row_offsets, _sparse_rw_triton_table_rows, _sparse_rw_triton_d_offsets, _sparse_rw_triton_feature_table_map, all_to_all_1, cat, None, [3, 4], [0], 4, 'sgd', [1e-08, 0.0, 0.0, 0.0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_rw_triton_weights_offsets = _sparse_rw_triton_row_offsets = _sparse_rw_triton_table_rows = _sparse_rw_triton_d_offsets = _sparse_rw_triton_feature_table_map = all_to_all_1 = cat = None
         reduce_scatter: "f32[2, 4]" = torch.ops.graphshard.reduce_scatter.default(triton_tbe_lookup, 0, 'dp', 4, 0);  triton_tbe_lookup = None
         return (reduce_scatter,)
+""")
+
+    def test_shared_feature_and_column_blocks_on_one_rank(self):
+        # TorchRec's TestSparseNN shape: f0 is looked up by two tables (its output names f0@a, f0@b).
+        # a is table-wise on rank 0; b (8 columns) is column-wise in two blocks, both on rank 0 (TorchRec's
+        # planner makes such layouts with min_partition). f0's ids go to rank 0 once per lookup (three
+        # slots: a, b's block 0, b's block 1), and the columns come back in the tables' order; the bounds
+        # check holds f0 to the smaller table
+        text, report = after_pass([T("a", ["f0"], rows=6), T("b", ["f0", "f1"], dim=8)],
+                                  {"a": table_wise(rank=0, compute_kernel=FUSED),
+                                   "b": column_wise(ranks=[0, 0], compute_kernel=FUSED)})
+        self.assertIn("graphshard.tbe_lookup", text)
+        self.assertIn("[6, 8]", text)  # f0 checked against a (6 rows), f1 against b (8)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[0]", arg1_1: "f32[88]", arg2_1: "f32[0]", arg3_1: "f32[]", arg4_1: "i64[4]", arg5_1: "i64[6]"):
+        _sparse_a2a_weights_offsets: "i64[5]" = self._sparse_a2a_weights_offsets
+        _sparse_a2a_d_offsets: "i32[6]" = self._sparse_a2a_D_offsets
+        _sparse_a2a_hash_size_cumsum: "i64[6]" = self._sparse_a2a_hash_size_cumsum
+        _sparse_a2a_momentum_offsets: "i64[3]" = self._sparse_a2a_momentum_offsets
+        _sparse_a2a_rows: "i64[5]" = self._sparse_a2a_rows
+        view: "i64[2, 2]" = torch.ops.aten.view.default(arg4_1, [2, 2])
+        check_ids: "i64[6]" = torch.ops.graphshard.check_ids.default(arg5_1, arg4_1, [6, 8], "feature 'f0' (table 'a')\\nfeature 'f1' (table 'b')");  arg5_1 = arg4_1 = None
+        _sparse_const: "i32[5]" = self._sparse_const
+        lift_fresh_copy: "i32[5]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const);  _sparse_const = None
+        permute_2d_sparse_data = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy, view, check_ids);  lift_fresh_copy = view = check_ids = None
+        getitem: "i64[5, 2]" = permute_2d_sparse_data[0]
+        getitem_1: "i64[u0]" = permute_2d_sparse_data[1];  permute_2d_sparse_data = None
+        view_1: "i64[10]" = torch.ops.aten.view.default(getitem, [-1])
+        _sparse_const_1: "i64[5]" = self._sparse_const_1
+        lift_fresh_copy_1: "i64[5]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_1);  _sparse_const_1 = None
+        zeros: "i64[4]" = torch.ops.aten.zeros.default([4], dtype = torch.int64, device = device(type='cpu'), pin_memory = False)
+        sum_1: "i64[5]" = torch.ops.aten.sum.dim_IntList(getitem, [1]);  getitem = None
+        index_add: "i64[4]" = torch.ops.aten.index_add.default(zeros, 0, lift_fresh_copy_1, sum_1);  zeros = lift_fresh_copy_1 = sum_1 = None
+        all_to_all: "i64[40]" = torch.ops.graphshard.all_to_all.default(view_1, [10, 10, 10, 10], [10, 0, 0, 0], 'dp');  view_1 = None
+        view_2: "i64[4, 10]" = torch.ops.aten.view.default(all_to_all, [4, 10])
+        sum_2: "i64[4]" = torch.ops.aten.sum.dim_IntList(view_2, [1]);  view_2 = None
+        unbind = torch.ops.aten.unbind.int(index_add);  index_add = None
+        getitem_3: "i64[]" = unbind[0]
+        getitem_4: "i64[]" = unbind[1]
+        getitem_5: "i64[]" = unbind[2]
+        getitem_6: "i64[]" = unbind[3];  unbind = None
+        _local_scalar_dense: "Sym(u1)" = torch.ops.aten._local_scalar_dense.default(getitem_3);  getitem_3 = None
+        _local_scalar_dense_1: "Sym(u2)" = torch.ops.aten._local_scalar_dense.default(getitem_4);  getitem_4 = None
+        _local_scalar_dense_2: "Sym(u3)" = torch.ops.aten._local_scalar_dense.default(getitem_5);  getitem_5 = None
+        _local_scalar_dense_3: "Sym(u4)" = torch.ops.aten._local_scalar_dense.default(getitem_6);  getitem_6 = None
+        unbind_1 = torch.ops.aten.unbind.int(sum_2);  sum_2 = None
+        getitem_7: "i64[]" = unbind_1[0]
+        getitem_8: "i64[]" = unbind_1[1]
+        getitem_9: "i64[]" = unbind_1[2]
+        getitem_10: "i64[]" = unbind_1[3];  unbind_1 = None
+        _local_scalar_dense_4: "Sym(u5)" = torch.ops.aten._local_scalar_dense.default(getitem_7);  getitem_7 = None
+        _local_scalar_dense_5: "Sym(u6)" = torch.ops.aten._local_scalar_dense.default(getitem_8);  getitem_8 = None
+        _local_scalar_dense_6: "Sym(u7)" = torch.ops.aten._local_scalar_dense.default(getitem_9);  getitem_9 = None
+        _local_scalar_dense_7: "Sym(u8)" = torch.ops.aten._local_scalar_dense.default(getitem_10);  getitem_10 = None
+        all_to_all_1: "i64[u5 + u6 + u7 + u8]" = torch.ops.graphshard.all_to_all.default(getitem_1, [_local_scalar_dense_4, _local_scalar_dense_5, _local_scalar_dense_6, _local_scalar_dense_7], [_local_scalar_dense, _local_scalar_dense_1, _local_scalar_dense_2, _local_scalar_dense_3], 'dp');  getitem_1 = _local_scalar_dense_4 = _local_scalar_dense_5 = _local_scalar_dense_6 = _local_scalar_dense_7 = _local_scalar_dense = _local_scalar_dense_1 = _local_scalar_dense_2 = _local_scalar_dense_3 = None
+        view_3: "i64[20, 2]" = torch.ops.aten.view.default(all_to_all, [20, 2]);  all_to_all = None
+        _sparse_const_2: "i32[20]" = self._sparse_const_2
+        lift_fresh_copy_2: "i32[20]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_2);  _sparse_const_2 = None
+        permute_2d_sparse_data_1 = torch.ops.fbgemm.permute_2D_sparse_data.default(lift_fresh_copy_2, view_3, all_to_all_1);  lift_fresh_copy_2 = view_3 = all_to_all_1 = None
+        getitem_11: "i64[20, 2]" = permute_2d_sparse_data_1[0]
+        getitem_12: "i64[u9]" = permute_2d_sparse_data_1[1];  permute_2d_sparse_data_1 = None
+        view_4: "i64[40]" = torch.ops.aten.view.default(getitem_11, [-1]);  getitem_11 = None
+        asynchronous_complete_cumsum: "i64[41]" = torch.ops.fbgemm.asynchronous_complete_cumsum.default(view_4);  view_4 = None
+        tbe_lookup: "f32[8, 20]" = torch.ops.graphshard.tbe_lookup.default(arg0_1, arg1_1, arg2_1, arg3_1, _sparse_a2a_weights_offsets, _sparse_a2a_d_offsets, _sparse_a2a_hash_size_cumsum, _sparse_a2a_momentum_offsets, _sparse_a2a_rows, getitem_12, asynchronous_complete_cumsum, None, 20, 4, 5, 0, 'sgd', [1e-08, 0.0, 0.0, 0.0], "feature 'f0' (table 'a')\\nfeature 'f0' (table 'b')\\nfeature 'f1' (table 'b')\\nfeature 'f0' (table 'b')\\nfeature 'f1' (table 'b')", [0, 0, 0, 0, 0], False, 0.25);  arg0_1 = arg1_1 = arg2_1 = arg3_1 = _sparse_a2a_weights_offsets = _sparse_a2a_d_offsets = _sparse_a2a_hash_size_cumsum = _sparse_a2a_momentum_offsets = _sparse_a2a_rows = getitem_12 = asynchronous_complete_cumsum = None
+        view_5: "f32[160]" = torch.ops.aten.view.default(tbe_lookup, [-1]);  tbe_lookup = None
+        all_to_all_2: "f32[40]" = torch.ops.graphshard.all_to_all.default(view_5, [40, 0, 0, 0], [40, 40, 40, 40], 'dp');  view_5 = None
+        split_with_sizes = torch.ops.aten.split_with_sizes.default(all_to_all_2, [40, 0, 0, 0]);  all_to_all_2 = None
+        getitem_14: "f32[40]" = split_with_sizes[0];  split_with_sizes = None
+        view_6: "f32[2, 20]" = torch.ops.aten.view.default(getitem_14, [2, 20]);  getitem_14 = None
+        _sparse_const_3: "i64[20]" = self._sparse_const_3
+        lift_fresh_copy_3: "i64[20]" = torch.ops.aten.lift_fresh_copy.default(_sparse_const_3);  _sparse_const_3 = None
+        index_select: "f32[2, 20]" = torch.ops.aten.index_select.default(view_6, 1, lift_fresh_copy_3);  view_6 = lift_fresh_copy_3 = None
+        return (index_select,)
 """)
 
     def test_column_wise(self):
