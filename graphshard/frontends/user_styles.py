@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from graphshard.plan import fqn_match
 from graphshard.styles import Layout, ModuleIO, ParallelStyle
 
 _BUILTIN_MODULE = "torch.distributed.tensor.parallel"
+log = logging.getLogger("graphshard")
 
 
 def is_torch_builtin(style) -> bool:
@@ -132,6 +134,7 @@ def derive(style: TorchStyle, fqn: str, module: nn.Module, mesh: DeviceMesh) -> 
         mine = out.get("")
         out[""] = DerivedStyle(name, mine.placements if mine else {},
                                ModuleIO(inputs=inputs, outputs=outputs, use_local_output=local))
+    log.info("graphshard: %s reads as %s", name, {sub or "<module>": (d.placements, d.module_io) for sub, d in out.items()})
     return out
 
 
