@@ -21,7 +21,8 @@ module): four tables of 16 to 40 columns, two more that look up ``feature_0`` an
 Each CASE is ``kind[:flag...]``: kind ``tw`` | ``rw`` | ``cw`` | ``twcw`` | ``twrw`` | ``dp`` (the
 sharder's one sharding type); flags ``mean`` (mean-pooled tables), ``vb`` (``variable_batch_size``),
 ``ec`` (``EmbeddingConfig`` tables: TestSparseNN's ``EmbeddingCollection`` arch, no weighted tables),
-``uneven`` (column-wise blocks of unequal width: ``min_partition`` chosen so), ``inbackward``
+``uneven`` (column-wise blocks of unequal width: TorchRec's ``column_wise(size_per_rank=...)`` on the
+planner's plan), ``noshared`` (without the two tables that look a feature up again), ``inbackward``
 (TorchRec's ``apply_optimizer_in_backward`` SGD on the tables instead of ``fused_params``), ``vbe``
 (variable batch per feature: ``ModelInput.generate_variable_batch_input``). The same program runs on
 graphshard's DMP, on TorchRec's DMP under the same plan, and unsharded (TorchRec's harness reference:
@@ -64,6 +65,8 @@ def tables(flags: list[str]):
     else:
         make = lambda i, name: EmbeddingBagConfig(num_embeddings=(i + 1) * 10, embedding_dim=(i + 2) * 8, name=name,
                                                   feature_names=[f"feature_{i}"], **pooling)
+    if "noshared" in flags:  # no feature looked up twice (what graphshard took before shared features)
+        shared = 0
     unweighted = [make(i, names[i]) for i in range(n)] + [make(i, names[i + n]) for i in range(shared)]
     weighted = [] if "ec" in flags else [
         EmbeddingBagConfig(num_embeddings=(i + 1) * 10, embedding_dim=(i + 2) * 4, name=f"weighted_table_{i}",
