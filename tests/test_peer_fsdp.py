@@ -284,3 +284,24 @@ def test_an_inner_prefetch_setting_follows_the_root_and_explain_says_so(caplog):
         root = FSDP(model)
     assert "unit '0' was built with backward_prefetch=<BackwardPrefetch.BACKWARD_POST" in caplog.text
     assert "fallbacks (model): unit '0' was built with backward_prefetch" in graphshard.explain(root)
+
+
+def test_three_levels_keep_each_instances_own_settings():
+    """A one-rank unit absorbed by a middle instance stays one-rank when the root absorbs the middle;
+    the units an inner ``auto_wrap_policy`` made keep its compile options."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.tensor import DTensor
+
+    from graphshard.fsdp import FullyShardedDataParallel as FSDP
+
+    mine = dist.new_group([dist.get_rank()])
+    expert = FSDP(nn.Linear(8, 8), mine, use_orig_params=True, lower="eager")
+    middle = FSDP(nn.Sequential(expert, nn.Linear(8, 8)), use_orig_params=True, lower="eager")
+    blocks = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                  use_orig_params=True, lower="eager")
+    root = FSDP(nn.Sequential(middle, blocks, nn.Linear(8, 8)), use_orig_params=True, lower="eager")
+    assert [u._unit_fqn for u in FSDP.fsdp_modules(root)] == ["", "0", "0.0", "1", "1.0", "1.1"]
+    params = dict(root.named_parameters())
+    assert not isinstance(params["_fsdp_wrapped_module.0._fsdp_wrapped_module.0._fsdp_wrapped_module.weight"], DTensor)
+    assert isinstance(params["_fsdp_wrapped_module.0._fsdp_wrapped_module.1.weight"], DTensor)

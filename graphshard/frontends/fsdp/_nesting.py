@@ -134,7 +134,7 @@ def nested_units(module: nn.Module, wrappers: dict[int, Any], root_config, root_
     units, rank_local = [], []
     for fqn, mod, _ in _targeted_units(module, {m: {} for m in by_module}):
         w = by_module[mod]
-        cfg = w._config
+        cfg = w._own_config  # as built (a unit of an inner root: that root's), not the root it joined last
         where = f"the FullyShardedDataParallel around {fqn!r} ({type(mod).__name__})"
         for name in HOMOGENEOUS:
             if getattr(cfg, name) != getattr(root_config, name):
@@ -142,7 +142,7 @@ def nested_units(module: nn.Module, wrappers: dict[int, Any], root_config, root_
                     f"{where} has {name}={getattr(cfg, name)!r}, the root {getattr(root_config, name)!r}; every "
                     f"instance of one model takes the same {name} (torch's FSDP1 requires it too): pass the root's "
                     "value to the inner instances")
-        if w.__dict__.get("_compile_options", {}) != root_args["compile_options"]:
+        if w._compile_options != root_args["compile_options"]:
             raise ValueError(
                 f"{where} has compile options {w._compile_options}, the root {root_args['compile_options']}; the "
                 "root compiles the whole model once, with its own: pass the same to every instance (or to the root only)")

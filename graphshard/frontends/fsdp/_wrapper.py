@@ -102,6 +102,7 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
                                cpu_offload=cpu_offload or CPUOffload(), mesh=mesh, plan=None,
                                backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                                limit_all_gathers=limit_all_gathers, notes=[])
+        self._own_config = self._config  # what this instance was built with, kept as a unit of another root
         self._spec_args = {"sharding_strategy": strategy, "mixed_precision": mixed_precision}
         self._compile_options = dict(compile_options)
         compile_config("FullyShardedDataParallel", **compile_options)  # an unknown keyword fails before any change
@@ -198,6 +199,8 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
         unit._config = root._config
         unit._full_precision = False
         unit._ignored_sets = root._ignored_sets
+        unit._own_config = root._own_config
+        unit._compile_options = root._compile_options
         return unit
 
     def _become_unit(self, fqn: str, root: "FullyShardedDataParallel") -> "FullyShardedDataParallel":
