@@ -261,3 +261,20 @@ def test_in_backward_optimizer_arguments_at_their_defaults_are_accepted():
     apply_optimizer_in_backward(torch.optim.SGD, model.query.ebc.parameters(), {"lr": 0.1, "momentum": 0.0})
     dmp = _dmp(model, ShardingPlan({"query.ebc": _module_plan(model.query.ebc)}))
     assert [g["lr"] for g in dmp.fused_optimizer.param_groups] == [pytest.approx(0.1)]
+
+
+def test_variable_batch_per_feature_is_expanded_as_its_inverse_indices_say():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from graphshard.frontends.model_parallel._batches import expand_vbe
+
+    # f0 has 2 bags, f1 one, f2 three; the batch has 3 samples: sample i of f reads bag inverse[f][i]
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5, 6]), weights=torch.arange(6.0),
+        lengths=torch.tensor([1, 1, 2, 1, 0, 1]), stride_per_key_per_rank=[[2], [1], [3]],
+        inverse_indices=(["f2", "f0", "f1"], torch.tensor([[0, 1, 2], [0, 1, 1], [0, 0, 0]])))
+    out = expand_vbe(kjt)
+    assert not out.variable_stride_per_key() and out.stride() == 3 and out.keys() == ["f0", "f1", "f2"]
+    assert out.lengths().tolist() == [1, 1, 1, 2, 2, 2, 1, 0, 1]
+    assert out.values().tolist() == [1, 2, 2, 3, 4, 3, 4, 3, 4, 5, 6]
+    assert out.weights().tolist() == [0, 1, 1, 2, 3, 2, 3, 2, 3, 4, 5]
