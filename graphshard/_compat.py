@@ -289,6 +289,56 @@ def is_dynamo_graph_input(value) -> bool:
     return False
 
 
+def in_dynamo_trace() -> bool:
+    """Whether an op's fake implementation runs for dynamo, translating a frame (not for a ``make_fx``
+    trace a backend runs while dynamo compiles the frame's graph)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx() is not None and proxy_trace_graph() is None
+    except AttributeError:
+        return False
+
+
+def dynamo_value_is_local(value) -> bool:
+    """Whether ``value``, a fake tensor an op's fake implementation receives while dynamo traces, was
+    computed from a ``use_local_output=True`` module output read as each rank's piece: a node of the
+    graph dynamo is recording, whose inputs lead back to a ``graphshard::to_local`` without passing a
+    declared layout."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:
+        return False
+    if tx is None:
+        return False
+    layout, to_local = torch.ops.graphshard.layout, torch.ops.graphshard.to_local
+    for tracer in _tracers(tx.output.current_tracer):
+        node = next((n for n in reversed(tracer.graph.nodes) if n.meta.get("example_value") is value), None)
+        if node is None:
+            continue
+        seen, stack = set(), [node]
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.op == "call_function" and n.target in (to_local, to_local.default):
+                return True
+            if n.op == "call_function" and n.target in (layout, layout.default):
+                continue  # a declared layout: the value after it is logical
+            stack.extend(n.all_input_nodes)
+        return False
+    return False
+
+
+def _tracers(tracer):
+    while tracer is not None:
+        yield tracer
+        tracer = getattr(tracer, "parent", None)
+
+
 def proxy_trace_graph() -> torch.fx.Graph | None:
     """The graph ``make_fx`` is recording into, or None outside a trace."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode

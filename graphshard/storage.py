@@ -166,7 +166,7 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
                 else:
                     mod._parameters[pname] = replacements[id(p)]
         io = resolution.io.get(id(mod))
-        bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1]) if io is not None else None
+        bound = _BoundIO(f"m{model_id}/{io[0]}", tp_axis, io[1], groups[tp_axis].world) if io is not None else None
         spec = checkpoints.get(id(mod))
         cast = casts.get(id(mod))
         if names or bound is not None or spec is not None or cast is not None or mod is model:
@@ -251,6 +251,19 @@ def unshard(model: nn.Module, within: nn.Module | None = None) -> None:
     _compat.drop_compiled_call(model)
 
 
+def read_local_outputs(model: nn.Module) -> None:
+    """From the next trace on, ``model``'s sharded module outputs declared ``use_local_output=True`` are
+    handed on as each rank's piece (``graphshard::to_local``), as torch hands them on, and a later
+    declared input layout reads the value computed from them as the logical value again
+    (`ShardedModel.local_outputs`; tensor parallelism's frontend turns it on when the whole reading
+    fails on a shape)."""
+    state_of(model).local_outputs = True
+    for mod in model.modules():
+        io = mod.__dict__.get("_graphshard_io")
+        if io is not None:
+            io.local_outputs = True
+
+
 def _checkpointing(model: nn.Module, resolution) -> list[str]:
     """What ``explain`` lists of the plan's activation checkpointing: each checkpointed module
     with its mode, then the notes on those that are not a unit (also logged: a choice the plan made)."""
@@ -330,9 +343,10 @@ class _BoundIO:
     one block's trace for all of them. The trace to ATen names the module again from the node's
     module stack (`aten_trace._name_layouts`)."""
 
-    def __init__(self, fqn: str, axis: str, io: ModuleIO):
-        self.fqn, self.axis, self.io = fqn, axis, io
+    def __init__(self, fqn: str, axis: str, io: ModuleIO, world: int = 1):
+        self.fqn, self.axis, self.io, self.world = fqn, axis, io, world
         self.traced = sharding.traced_key(fqn)
+        self.local_outputs = False  # a sharded use_local_output=True output handed on as each rank's piece
 
     def _apply(self, x, steps, place: str):
         if not isinstance(x, torch.Tensor):
@@ -340,6 +354,9 @@ class _BoundIO:
         where = f"{self.traced if torch.compiler.is_compiling() else self.fqn}:{place}"
         for p in steps:
             x = ops.layout(x, where, self.axis, placement_str(p), self.io.use_local_output)
+        if (self.local_outputs and steps and place.startswith("out") and self.io.use_local_output
+                and placement_str(steps[-1]) != "R" and torch.compiler.is_compiling()):
+            x = ops.to_local(x, where, self.axis, placement_str(steps[-1]), self.world)  # torch's plain local tensor
         return x
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

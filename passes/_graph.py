@@ -36,6 +36,8 @@ def tensor_args(node: fx.Node) -> Iterator[tuple[int | str, fx.Node]]:
 
 
 def fmt_placement(p: Placement) -> str:
+    if getattr(p, "per_rank", False):  # annotate_placements.LOCAL: each rank's piece, handed on as it is
+        return "local"
     if hasattr(p, "split_factor"):
         return f"S({p.dim}/{p.split_factor})"
     if isinstance(p, Shard):

@@ -54,6 +54,10 @@ def annotate_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             node.meta["placement"] = {a: mp.get(a, R) for a in axes}
         elif node.op == "call_function" and node.target == ops.from_local.default:
             _annotate_from_local(node, axes)
+        elif node.op == "call_function" and node.target == ops.to_local.default:
+            node.meta["required"] = {}
+            node.meta["placement"] = {**(node.args[0].meta.get("placement") or {a: R for a in axes}),
+                                      node.args[2]: LOCAL}
         elif node.op == "call_function" and node.target == ops.layout.default:
             _annotate_layout(node, axes, data_only)
         elif node.op == "call_function" and node.target == operator.getitem:
@@ -134,6 +138,10 @@ def _annotate_from_local(node: fx.Node, axes: list[str]) -> None:
     x, where, axis, placement, world = node.args
     val = node.meta["val"]
     want = parse_placement(placement, val.dim())
+    if _placement(x, axis) is LOCAL:  # a module's piece handed on (to_local), read whole again
+        node.meta["required"] = {}
+        node.meta["placement"] = {**{a: R for a in axes}, axis: want}
+        return
     if x.op != "placeholder":
         _refuse_local_piece(node, x, want)
     others = [u for u in x.users if not (u.op == "call_function" and u.target == ops.from_local.default
@@ -167,6 +175,8 @@ def _annotate_outputs(node: fx.Node) -> None:
         if not is_tensor_node(a):
             continue
         pl = a.meta.get("placement") or {}
+        if any(p is LOCAL for p in pl.values()):
+            continue  # each rank's piece, returned as torch returns it
         if a.op == "call_function" and a.target == ops.layout.default:
             if any(p != R for p in pl.values()):
                 declared[i] = (dict(pl), a.args[4])
@@ -192,6 +202,8 @@ def _annotate_op(node: fx.Node, axes: list[str], ctx: PassContext) -> set[fx.Nod
         node.meta["placement"] = _like_output(node, {a: R for a in axes})
         return set()
     current = {axis: [_placement(a, axis) for _, a in args] for axis in axes}
+    if any(p is LOCAL for ps in current.values() for p in ps):
+        return _annotate_local(node, current)
     if any(p != R for ps in current.values() for p in ps):
         new = _expansions.expand(node, current, ctx)
         if new is not None:
@@ -230,6 +242,35 @@ def _annotate_op(node: fx.Node, axes: list[str], ctx: PassContext) -> set[fx.Nod
         node.meta["placement"] = [
             {a: (o[i] if isinstance(o, list) else o) for a, o in out_per_axis.items()} for i in range(n_out)
         ]
+    return set()
+
+
+class _Local:
+    """The placement of a value computed from a module output handed on as each rank's piece
+    (``graphshard::to_local``, `ShardedModel.local_outputs`): per-rank, as torch's plain local
+    tensor. No rule, no size rewrite and no collective applies to it; a declared input layout
+    (``graphshard::from_local``) reads it as the logical value again."""
+
+    per_rank = True
+
+    def __repr__(self):
+        return "Local()"
+
+
+LOCAL = _Local()
+
+
+def _annotate_local(node: fx.Node, current: dict) -> set:
+    """A per-rank op on pieces: its other inputs must be the same on every rank (replicated)."""
+    for axis, ps in current.items():
+        if any(p is LOCAL for p in ps) and any(p is not LOCAL and p != R for p in ps):
+            raise NotImplementedError(
+                f"node {node.name!r} ({node.target}) computes on a module output handed on as each rank's piece "
+                f"(use_local_output=True) and on a value sharded on {axis!r} ({[fmt(p) for p in ps]}): torch mixes a "
+                "local tensor with a DTensor there. Keep that computation between the declared layouts")
+    node.meta["required"] = {}
+    out = {axis: (LOCAL if any(p is LOCAL for p in ps) else R) for axis, ps in current.items()}
+    node.meta["placement"] = _like_output(node, out)
     return set()
 
 

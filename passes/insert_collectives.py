@@ -47,6 +47,12 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # (``_guard_replicated_grads`` asks, once FullyShard has replaced it by a gather).
             needs_grad.add(_replace_marker(g, node, ctx))
             continue
+        if node.op == "call_function" and node.target == ops.to_local.default:
+            # a module output handed on as each rank's piece: in the per-rank program the value its
+            # layout made is that piece already
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+            continue
         if node.op == "call_function" and node.target == ops.from_local.default:
             local = _replace_from_local(g, node)
             if local.args[0] in needs_grad:

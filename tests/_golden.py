@@ -39,9 +39,13 @@ def capture_dynamo(model: torch.nn.Module, *inputs) -> tuple[fx.GraphModule, lis
     return captured["gm"], captured["inputs"]
 
 
-def graph_after(model, plan, inputs, upto: str, *, config: CompileConfig | None = None, placements=False) -> str:
-    """Shards ``model`` and returns the normalized graph right after pass ``upto``."""
+def graph_after(model, plan, inputs, upto: str, *, config: CompileConfig | None = None, placements=False,
+                after_shard=None) -> str:
+    """Shards ``model`` (then calls ``after_shard(model)``, if given) and returns the normalized graph
+    right after pass ``upto``."""
     graphshard.shard(model, plan)
+    if after_shard is not None:
+        after_shard(model)
     gm, example_inputs = capture_dynamo(model, *inputs)
     prepared = prepare(gm, example_inputs, config or CompileConfig(lower="eager"), (model._graphshard,))
     passes = pre_autograd_passes()

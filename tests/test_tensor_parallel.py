@@ -357,6 +357,86 @@ def test_several_calls_in_any_order_are_one_plan(order):
         parallelize_module(model.fc2, init_device_mesh("cpu", (4,)), RowwiseParallel())
 
 
+class LocalHeads(nn.Module):
+    """Attention-like code sized for each rank's piece, as torch's recipe writes it after
+    ``attn.n_heads = n_heads // tp``: one head of 4 features a rank on the 4 ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wo = nn.Linear(16, 16, bias=False), nn.Linear(16, 16, bias=False)
+        self.n_heads = 1
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, 4).transpose(1, 2)
+        return self.wo((q * 2).transpose(1, 2).reshape(b, s, self.n_heads * 4))
+
+
+class TestLocalOutputs(TestCase):
+    def test_local_outputs_are_the_ranks_pieces(self):
+        # wq's output handed on as the piece (to_local, placement "local": no size rewrite, no collective),
+        # read as the logical Shard(-1) value again at wo's declared input (from_local: an alias)
+        plan = graphshard.Plan(mesh1d("tp"), {"wq": ColwiseParallel(), "wo": RowwiseParallel()})
+        text = graph_after(seeded(LocalHeads), plan, (torch.randn(2, 3, 16),), "localize_shapes",
+                           after_shard=graphshard.storage.read_local_outputs, placements=True)
+        self.assertExpectedInline(text, """\
+class <lambda>(torch.nn.Module):
+    def forward(self, arg0_1: "f32[2, 3, 16]", arg1_1: "f32[4, 16]", arg2_1: "f32[16, 4]"):
+        alias_default: "f32[4, 16]" = torch.ops.aten.alias.default(arg1_1);  arg1_1 = None
+        t: "f32[16, 4]" = torch.ops.aten.t.default(alias_default);  alias_default = None
+        view: "f32[6, 16]" = torch.ops.aten.reshape.default(arg0_1, [6, 16]);  arg0_1 = None
+        mm: "f32[6, 4]" = torch.ops.aten.mm.default(view, t);  view = t = None
+        _unsafe_view: "f32[2, 3, 4]" = torch.ops.aten._unsafe_view.default(mm, [2, 3, 4]);  mm = None
+        view_1: "f32[2, 3, 1, 4]" = torch.ops.aten.reshape.default(_unsafe_view, [2, 3, 1, 4]);  _unsafe_view = None
+        transpose: "f32[2, 1, 3, 4]" = torch.ops.aten.transpose.int(view_1, 1, 2);  view_1 = None
+        mul: "f32[2, 1, 3, 4]" = torch.ops.aten.mul.Tensor(transpose, 2);  transpose = None
+        transpose_1: "f32[2, 3, 1, 4]" = torch.ops.aten.transpose.int(mul, 1, 2);  mul = None
+        view_2: "f32[2, 3, 4]" = torch.ops.aten.reshape.default(transpose_1, [2, 3, 4]);  transpose_1 = None
+        alias_default_1: "f32[2, 3, 4]" = torch.ops.aten.alias.default(view_2);  view_2 = None
+        alias_default_2: "f32[16, 4]" = torch.ops.aten.alias.default(arg2_1);  arg2_1 = None
+        t_1: "f32[4, 16]" = torch.ops.aten.t.default(alias_default_2);  alias_default_2 = None
+        view_3: "f32[6, 4]" = torch.ops.aten.reshape.default(alias_default_1, [6, 4]);  alias_default_1 = None
+        mm_1: "f32[6, 16]" = torch.ops.aten.mm.default(view_3, t_1);  view_3 = t_1 = None
+        _unsafe_view_1: "f32[2, 3, 16]" = torch.ops.aten._unsafe_view.default(mm_1, [2, 3, 16]);  mm_1 = None
+        all_reduce_default: "f32[2, 3, 16]" = torch.ops.graphshard.all_reduce.default(_unsafe_view_1, 'tp', 4);  _unsafe_view_1 = None
+        return (all_reduce_default,)
+arg0_1: {tp: R}
+arg1_1: {tp: R}
+arg2_1: {tp: R}
+alias_default: {tp: S(0)}
+t: {tp: S(1)}
+view: {tp: R}
+mm: {tp: S(1)}
+_unsafe_view: {tp: S(2)}
+view_1: {tp: local}
+transpose: {tp: local}
+mul: {tp: local}
+transpose_1: {tp: local}
+view_2: {tp: local}
+alias_default_1: {tp: S(2)}
+alias_default_2: {tp: S(1)}
+t_1: {tp: S(0)}
+view_3: {tp: S(1)}
+mm_1: {tp: P}
+_unsafe_view_1: {tp: P}
+all_reduce_default: {tp: R}
+""")
+        head = graph_after(seeded(LocalHeads), plan, (torch.randn(2, 3, 16),), "annotate_placements",
+                           after_shard=graphshard.storage.read_local_outputs, placements=True)
+        self.assertExpectedInline("\n".join(l for l in head.splitlines() if "local" in l), """\
+        to_local: "f32[2, 3, 4]" = torch.ops.graphshard.to_local.default(layout_1, 'wq:out0', 'tp', 'S(-1)', 4);  layout_1 = None
+        view_1: "f32[2, 3, 1, 4]" = torch.ops.aten.reshape.default(to_local, [2, 3, 1, 4]);  to_local = None
+        from_local: "f32[2, 3, 16]" = torch.ops.graphshard.from_local.default(view_2, 'wo:in0', 'tp', 'S(-1)', 4);  view_2 = None
+        layout_2: "f32[2, 3, 16]" = torch.ops.graphshard.layout.default(from_local, 'wo:in0', 'tp', 'S(-1)', True);  from_local = None
+to_local: {tp: local}
+view_1: {tp: local}
+transpose: {tp: local}
+mul: {tp: local}
+transpose_1: {tp: local}
+view_2: {tp: local}
+from_local: {tp: S(2)}""")
+
+
 def test_a_user_style_that_replaces_its_module_is_refused():
     from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 

@@ -111,6 +111,7 @@ class _StackTraces(fx.Interpreter):
 
 
 _LAYOUT = (ops.layout, ops.layout.default)
+_NAMED = (*_LAYOUT, ops.to_local, ops.to_local.default)  # nodes whose ``where`` names their module
 
 
 def _name_layouts(gm: fx.GraphModule) -> None:
@@ -124,7 +125,7 @@ def _name_layouts(gm: fx.GraphModule) -> None:
             continue
         named = False
         for node in list(g.graph.nodes):
-            if node.op == "call_function" and node.target in _LAYOUT and is_traced_key(node.args[1].rpartition(":")[0]):
+            if node.op == "call_function" and node.target in _NAMED and is_traced_key(node.args[1].rpartition(":")[0]):
                 traced, _, place = node.args[1].rpartition(":")
                 module = innermost_module(node.meta.get("nn_module_stack")) or ""
                 node.update_arg(1, f"{traced.partition('/')[0]}/{module}:{place}")
@@ -160,7 +161,7 @@ def _relocate_layout_names(copies: list[fx.Node], origin: dict | None, call: dic
     if old is None or new is None or old == new:
         return
     for node in copies:
-        if node.op == "call_function" and node.target in _LAYOUT:
+        if node.op == "call_function" and node.target in _NAMED:
             head, _, rest = node.args[1].partition("/")
             if rest == old or rest.startswith((f"{old}.", f"{old}:")):
                 node.update_arg(1, f"{head}/{new}{rest[len(old):]}")

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import re
 import warnings
 import weakref
@@ -27,6 +28,8 @@ from torch.distributed.tensor import Shard
 from graphshard import _compat, api, storage
 from graphshard.frontends import user_styles
 from graphshard.plan import Plan, fqn_match as plan_match
+
+log = logging.getLogger("graphshard")
 from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -114,38 +117,57 @@ def parallelize_module(
     local_outputs = [k for k, st in rules.items() if getattr(st, "use_local_output", False)
                      and isinstance(getattr(st, "output_layouts", None), Shard)]
     if local_outputs:
-        _compat.wrap_compiled_call(target, _naming_local_outputs(local_outputs))
+        _compat.wrap_compiled_call(target, _reading_local_outputs(local_outputs, storage.state_of(target), target))
     target._graphshard_tp_rules = rules  # what the next call on this model merges with
     target._graphshard_tp_options = options
     _PARALLELIZED[next(_calls)] = target
     return module
 
 
-def _naming_local_outputs(keys: list[str]):
-    """A wrap of the compiled call: a trace that fails on a shape (dynamo's fake-tensor error) in a
-    model with sharded outputs declared ``use_local_output=True`` is refused with the reason. torch
-    hands the code after such a module its local piece; graphshard's program reads it whole (so that
-    hard-coded global head counts work, docs/design/tensor-parallel.md), and code sized for the
-    piece (torch's recipe: ``attn.n_heads = n_heads // tp``) then fails while dynamo traces."""
+def _reading_local_outputs(keys: list[str], state, target: nn.Module):
+    """A wrap of the compiled call for a model with sharded outputs declared ``use_local_output=True``.
+    graphshard reads such an output whole inside the model, so that hard-coded global head counts
+    run. When that trace fails on a shape (dynamo's fake-tensor error) before any graph compiled,
+    the code after those modules is sized for the piece, as torch hands it on (its recipe:
+    ``attn.n_heads = n_heads // tp``): the call is traced again reading each such output as each
+    rank's piece (`ShardedModel.local_outputs`), as torch does. A second failure is raised, naming
+    the option."""
     def wrap(call):
         @functools.wraps(call)
         def compiled_call(*args, **kwargs):
             try:
                 return call(*args, **kwargs)
             except Exception as e:
-                if "when making fake tensor call" not in str(e):
+                if "when making fake tensor call" not in str(e) or state.explain:
                     raise
-                shape = re.search(r"got RuntimeError\((.*?)\)\n", str(e))
-                raise NotImplementedError(
-                    f"tracing failed on a shape ({shape.group(1) if shape else str(e).splitlines()[0][:300]}) "
-                    f"after modules whose sharded output is declared use_local_output=True ({', '.join(map(repr, keys[:6]))}"
-                    f"{' ...' if len(keys) > 6 else ''}): torch hands the code after them its local piece, graphshard's "
-                    "program reads that output whole, so code sized for the piece (a head count set to "
-                    "n_heads // tp) does not fit. Set use_local_output=False on those styles (a DTensor output: "
-                    "the code sees the whole shape under torch too) and keep the model's global sizes, or size "
-                    "the views with -1") from e
+                first = e
+            if not state.local_outputs:
+                storage.read_local_outputs(target)
+                if state.dynamo_regions is not None and state.dynamo_regions.marked:
+                    # a piece handed from one block to the next is found by its graph inputs, which a traced
+                    # body's placeholders hide (`_compat.dynamo_value_is_local`): every block is traced
+                    state.dynamo_regions.unmark(first)
+                log.info("graphshard: the model's code does not fit the whole outputs of %s (%s); reading them as "
+                         "each rank's piece, as torch hands them on (use_local_output=True)", keys, _shape_error(first))
+                try:
+                    return call(*args, **kwargs)
+                except Exception as e:
+                    if "when making fake tensor call" not in str(e):
+                        raise
+                    first = e
+            raise NotImplementedError(
+                f"tracing failed on a shape ({_shape_error(first)}) after modules whose sharded output is declared "
+                f"use_local_output=True ({', '.join(map(repr, keys[:6]))}{' ...' if len(keys) > 6 else ''}), read "
+                "whole and read as each rank's piece: set use_local_output=False on those styles (a DTensor "
+                "output, whose shape is the whole one under torch too) and keep the model's global sizes, or size "
+                "the views with -1") from first
         return compiled_call
     return wrap
+
+
+def _shape_error(e: BaseException) -> str:
+    shape = re.search(r"got RuntimeError\((.*?)\)\n", str(e))
+    return shape.group(1) if shape else str(e).splitlines()[0][:300]
 
 
 def _inside(inner: nn.Module, outer: nn.Module) -> bool:

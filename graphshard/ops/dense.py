@@ -41,6 +41,7 @@ lib.define("grad_all_reduce(Tensor x, str group, int world) -> Tensor")
 lib.define("to_partial(Tensor x, int rank) -> Tensor")
 lib.define("layout(Tensor x, str where, str axis, str placement, bool local) -> Tensor")
 lib.define("from_local(Tensor x, str where, str axis, str placement, int world) -> Tensor")
+lib.define("to_local(Tensor x, str where, str axis, str placement, int world) -> Tensor")
 lib.define("all_reduce_max(Tensor x, str group) -> Tensor")
 lib.define("all_gather_partial_grad(Tensor x, int dim, int size, str group, int world, int rank) -> Tensor")
 lib.define("all_to_all(Tensor x, SymInt[] out_splits, SymInt[] in_splits, str group) -> Tensor")
@@ -493,13 +494,43 @@ def layout_world(where: str, axis: str) -> int | None:
     return group.world if group is not None else None
 
 
+def _local(x: torch.Tensor, placement: str, world: int) -> torch.Tensor:
+    d = int(placement[2:-1]) % x.dim()
+    return x.new_empty((*x.shape[:d], x.shape[d] // world, *x.shape[d + 1:]))
+
+
+def reads_local_outputs(where: str) -> bool:
+    """Whether the model a declared layout's ``where`` names reads its ``use_local_output=True``
+    sharded module outputs as each rank's piece (torch's contract; `ShardedModel.local_outputs`)."""
+    from graphshard.sharding import model_for_key
+
+    model = model_for_key(where)
+    return bool(model is not None and model.local_outputs)
+
+
 @torch.library.register_fake("graphshard::layout")
 def _layout_fake(x, where, axis, placement, local):
-    if placement != "R" and x.dim() and _compat.is_dynamo_graph_input(x):
-        world = layout_world(where, axis)
-        if world is not None:
-            return _logical(x, placement, world)
+    if placement != "R" and x.dim():
+        if _compat.is_dynamo_graph_input(x) or (reads_local_outputs(where) and _compat.dynamo_value_is_local(x)):
+            world = layout_world(where, axis)  # each rank's piece, read as the logical value (from_local)
+            if world is not None:
+                return _logical(x, placement, world)
     return torch.empty_like(x)
+
+
+@torch.library.impl(lib, "to_local", "CompositeExplicitAutograd")
+def _to_local_eager(x, where, axis, placement, world):
+    raise RuntimeError("graphshard::to_local is a compiler node: insert_collectives replaces it before it runs")
+
+
+@torch.library.register_fake("graphshard::to_local")
+def _to_local_fake(x, where, axis, placement, world):
+    return _local(x, placement, world)
+
+
+torch.library.register_autograd(  # never run: insert_collectives replaces the node before aot_autograd
+    "graphshard::to_local", lambda ctx, g: (_logical(g, ctx.placement, ctx.world), None, None, None, None),
+    setup_context=lambda ctx, inputs, output: setattr(ctx, "placement", inputs[3]) or setattr(ctx, "world", inputs[4]))
 
 
 @torch.library.impl(lib, "from_local", "CompositeExplicitAutograd")

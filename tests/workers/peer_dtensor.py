@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor import parallel as ttp
 from torch.testing._internal.distributed._tensor import common_dtensor as cd
 
@@ -149,6 +149,17 @@ def mlp_stacked(model, mesh, s):
         s["parallelize_module"](layer, mesh, {"net1": s["ColwiseParallel"](), "net2": s["RowwiseParallel"]()})
 
 
+class DoubledOutput(ttp.ParallelStyle):
+    """A user style whose output_fn is no redistribution (it doubles the output): torch runs it."""
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh, output_fn=lambda mod, out, mesh: out * 2)
+
+
+def odd_hook(model, mesh, s):
+    s["parallelize_module"](model, mesh, {"net1": s["ColwiseParallel"](), "net2": DoubledOutput()})
+
+
 def expert_style(model, mesh, s):
     """The helpers' TensorParallelForExpert alone, on an ExpertLayer."""
     s["parallelize_module"](model, mesh, {"experts": cd.TensorParallelForExpert()})
@@ -173,6 +184,7 @@ CASES = {
     "one_call_sp": (transformer(), one_call(True), "tokens"),
     # local q/k/v outputs with the model's head count set to the local one (torch's recipe)
     "helpers_local_attn": (transformer(weight_tying=False), helpers(False, local_attn=True), "tokens"),
+    "helpers_local_attn_sp": (transformer(), helpers(True, local_attn=True), "tokens"),
     # the helpers' user-defined style: experts under TP, and under SP
     "helpers_experts_tp": (transformer(num_experts=2, weight_tying=False), helpers(False), "tokens"),
     "helpers_experts_sp": (transformer(num_experts=2, weight_tying=False), helpers(True), "tokens"),
@@ -183,6 +195,8 @@ CASES = {
     "mlp": (lambda: cd.MLPModule("cpu"), mlp, "features"),
     "mlp_sp": (lambda: cd.MLPModule("cpu"), mlp_sp, "features_rows"),
     "mlp_stacked": (lambda: cd.MLPStacked("cpu"), mlp_stacked, "features"),
+    # a user style graphshard cannot read as layouts
+    "odd_hook": (lambda: cd.MLPModule("cpu"), odd_hook, "features"),
 }
 
 
