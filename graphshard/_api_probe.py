@@ -127,7 +127,8 @@ PRIVATE_APIS: tuple[PrivateAPI, ...] = tuple(PrivateAPI(*entry) for entry in (
     ("torch._dynamo.maybe_mark_dynamic",
      "sparse/input_dist.py: the ids a pipeline exchanged ahead (_compat.maybe_mark_dynamic)"),
     ("torch._dynamo.symbolic_convert.InstructionTranslator.current_tx",
-     "backend.py (_compat.dynamo_frame: the collective check names programs by code)"),
+     "backend.py (_compat.dynamo_frame: the collective check names programs by code), ops/dense.py "
+     "(_compat.in_dynamo_trace, _compat.dynamo_value_is_local: a module's piece read whole again)"),
     ("torch._dynamo.reset", "tests/conftest.py"),
     ("torch._dynamo.mark_static", "passes/localize_shapes.py (named in its error message)"),
     ("torch._C._dispatch_has_kernel_for_dispatch_key",
