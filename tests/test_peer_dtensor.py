@@ -59,11 +59,12 @@ FALLBACKS = {
     # meet the sequence-sharded residual (Shard(1)); the add gathers the rows (listed by explain)
     "helpers_experts_sp": 2,
 }
-FULL_ONLY = {"helpers_sp_untied", "helpers_tp_untied", "one_call_tp", "one_call_sp", "helpers_experts_sp",
-             "mlp", "mlp_stacked", "helpers_sp", "helpers_local_attn_sp", "loss_parallel"}
-"""Run under ``--coverage full`` only: each repeats a CI case's mechanism (the helpers' calls with
-tied weights under TP, the reverse order, the user style under TP, local q/k/v under TP, torch's SP
-MLP) on another plan; loss_parallel's DTensor logits are CI's in tests/test_multirank.py (tp_numerics)."""
+FULL_ONLY = {"helpers_tp", "helpers_sp_untied", "helpers_tp_untied", "one_call_tp", "one_call_sp",
+             "helpers_experts_sp", "mlp", "mlp_stacked", "helpers_sp", "helpers_local_attn_sp", "loss_parallel"}
+"""Run under ``--coverage full`` only: each repeats a CI case's mechanism (the helpers' own calls with a
+tied weight and the user style: helpers_experts_tp; calls in the other order: reverse_order; local
+q/k/v: helpers_local_attn; torch's SP MLP: mlp_sp) on another plan; loss_parallel's DTensor logits
+are CI's in tests/test_multirank.py (tp_numerics)."""
 INDUCTOR_IN_CI: set = set()
 """CI lowers every case as FX (one launch): the subject is the frontend's calls and styles, not the
 lowering; ``--coverage full`` lowers each with Inductor."""

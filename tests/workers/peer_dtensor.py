@@ -186,8 +186,8 @@ CASES = {
     "helpers_local_attn": (transformer(weight_tying=False), helpers(False, local_attn=True), "tokens"),
     "helpers_local_attn_sp": (transformer(), helpers(True, local_attn=True), "tokens"),
     # the helpers' user-defined style: experts under TP, and under SP
-    "helpers_experts_tp": (transformer(num_experts=2, weight_tying=False), helpers(False), "tokens"),
-    "helpers_experts_sp": (transformer(num_experts=2, weight_tying=False), helpers(True), "tokens"),
+    "helpers_experts_tp": (transformer(num_experts=2), helpers(False), "tokens"),
+    "helpers_experts_sp": (transformer(num_experts=2), helpers(True), "tokens"),
     "expert_style": (lambda: cd.ExpertLayer(2, 16, 32), expert_style, "features3"),
     # loss_parallel on vocabulary-sharded DTensor logits
     "loss_parallel": (transformer(weight_tying=False), loss_parallel_plan, "tokens_loss_parallel"),
