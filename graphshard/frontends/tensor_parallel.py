@@ -28,8 +28,6 @@ from torch.distributed.tensor import Shard
 from graphshard import _compat, api, storage
 from graphshard.frontends import user_styles
 from graphshard.plan import Plan, fqn_match as plan_match
-
-log = logging.getLogger("graphshard")
 from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -38,6 +36,8 @@ from graphshard.styles import (
     RowwiseParallel,
     SequenceParallel,
 )
+
+log = logging.getLogger("graphshard")
 
 
 _PARALLELIZED: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
@@ -114,14 +114,25 @@ def parallelize_module(
         _forget(earlier)
     plan_rules = user_styles.expand(target, device_mesh, rules)
     api.compile(target, Plan(device_mesh, plan_rules), **dataclasses.asdict(config))
-    local_outputs = [k for k, st in rules.items() if getattr(st, "use_local_output", False)
-                     and isinstance(getattr(st, "output_layouts", None), Shard)]
+    local_outputs = [k for k, st in rules.items() if _hands_on_pieces(st)]
     if local_outputs:
         _compat.wrap_compiled_call(target, _reading_local_outputs(local_outputs, storage.state_of(target), target))
     target._graphshard_tp_rules = rules  # what the next call on this model merges with
     target._graphshard_tp_options = options
     _PARALLELIZED[next(_calls)] = target
     return module
+
+
+def _hands_on_pieces(style) -> bool:
+    """Whether torch hands the code after a module with ``style`` its output's local piece: a sharded
+    output layout with ``use_local_output=True``."""
+    if not getattr(style, "use_local_output", False):
+        return False
+    if isinstance(style, SequenceParallel):
+        return True
+    if isinstance(style, PrepareModuleOutput):
+        return any(isinstance(p, Shard) for p in style.desired_output_layouts)
+    return isinstance(getattr(style, "output_layouts", None), Shard)
 
 
 def _reading_local_outputs(keys: list[str], state, target: nn.Module):
