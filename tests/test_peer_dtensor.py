@@ -91,6 +91,7 @@ def test_matches_the_single_process_and_torch(results, request, case):
     assert r["lowering"] == lowering(request.config, case, INDUCTOR_IN_CI), r
     assert _within(r["ours"]), ("graphshard vs the single process", r["ours"])
     assert r["same_names"], "named_parameters() differs from the single process's"
+    assert r["same_state_dict"], "state_dict() keys or shapes differ from the single process's"
     if case in TORCH_CANNOT:
         assert TORCH_CANNOT[case] in r.get("torch_error", ""), r.get("torch_error", r.get("torch"))
     else:

@@ -301,6 +301,8 @@ def run(name: str) -> dict:
     if t is not None:
         result["ours_vs_torch"] = _errs(o, t)
     result["same_names"] = o["names"] == single["names"]
+    shapes = lambda m: {k: tuple(v.shape) for k, v in m.state_dict().items()}  # noqa: E731 (DTensors: the whole shape)
+    result["same_state_dict"] = shapes(ours) == shapes(ref)
     result["dtensors"] = sorted(n for n, p in ours.named_parameters() if isinstance(p, DTensor))
     result["torch_dtensors"] = sorted(n for n, p in theirs.named_parameters() if isinstance(p, DTensor))
     states = [m._graphshard for m in ours.modules() if "_graphshard" in m.__dict__]  # a model per compiled call
