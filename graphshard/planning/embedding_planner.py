@@ -412,9 +412,9 @@ def _option_of(ps, hw: Hardware) -> Option:
     kind = str(ps.sharding_type)
     if kind in (RW, DP):
         return Option(kind, tuple(range(hw.world)))
-    if kind == CW:
+    if kind in (CW, "table_column_wise"):  # TorchRec's table-column-wise: column-wise's program, on one host
         shards = sorted(ps.sharding_spec.shards, key=lambda md: md.shard_offsets[1])
-        return Option(kind, tuple(md.placement.rank() for md in shards))
+        return Option(CW, tuple(md.placement.rank() for md in shards))
     return Option(kind, tuple(sorted(set(ps.ranks))))
 
 
