@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate as _R, Shard as _S
 
 from graphshard.checkpointing import Checkpoint
-from graphshard.styles import ModuleIO, ParallelStyle
+from graphshard.styles import ModuleIO, ParallelStyle, from_torch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,17 +208,14 @@ class Plan:
             raise ValueError(f"Plan needs a DeviceMesh, got {type(mesh).__name__}; build one with init_device_mesh")
         if collectives not in COLLECTIVE_FORMS:
             raise ValueError(f"Plan(collectives={collectives!r}): expected one of {COLLECTIVE_FORMS}")
+        rules = {key: from_torch(spec) or spec for key, spec in rules.items()}  # torch's styles: graphshard's
         for key, spec in rules.items():
             if not isinstance(key, str):
                 raise ValueError(f"plan key {key!r} is not a string; keys are module FQN globs ('' is the root)")
             if not isinstance(spec, _SPEC_TYPES):
-                torch_style = type(spec).__module__.startswith("torch.distributed.tensor.parallel")
                 raise ValueError(
                     f"plan key {key!r} has spec {spec!r}; expected FullyShard(), Replicate(), ShardParams(...), "
                     "ShardEmbedding(...) or a tensor-parallel style (ColwiseParallel(), RowwiseParallel(), ...)"
-                    + (f": torch's {type(spec).__name__} is for torch's parallelize_module; a graphshard plan takes "
-                       f"graphshard.tensor_parallel.{type(spec).__name__}, which has the same arguments"
-                       if torch_style else "")
                 )
         styled = any(isinstance(s, ParallelStyle) for s in rules.values())
         if mesh.mesh_dim_names is not None:

@@ -353,8 +353,8 @@ class _BoundIO:
             return x
         where = f"{self.traced if torch.compiler.is_compiling() else self.fqn}:{place}"
         for p in steps:
-            x = ops.layout(x, where, self.axis, placement_str(p), self.io.use_local_output)
-        if (self.local_outputs and steps and place.startswith("out") and self.io.use_local_output
+            x = ops.layout(x, where, self.axis, placement_str(p), self.io.local(place))
+        if (self.local_outputs and steps and place.startswith("out") and self.io.local(place)
                 and placement_str(steps[-1]) != "R" and torch.compiler.is_compiling()):
             x = ops.to_local(x, where, self.axis, placement_str(steps[-1]), self.world)  # torch's plain local tensor
         return x

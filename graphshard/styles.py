@@ -59,6 +59,14 @@ class ModuleIO:
     kwarg_inputs: tuple[tuple[str, Layout], ...] = ()
     outputs: tuple[Layout | None, ...] = ()
     use_local_output: bool = True
+    use_local_input: bool | None = None  # the inputs' own flag (PrepareModuleInputOutput); None: use_local_output
+
+    def local(self, place: str) -> bool:
+        """Whether the code after the declared layout at ``place`` (``in0``, ``in[name]``, ``out0``) gets
+        plain local tensors (``use_local_output``) rather than DTensors."""
+        if place.startswith("in") and self.use_local_input is not None:
+            return self.use_local_input
+        return self.use_local_output
 
 
 class ParallelStyle:
@@ -202,6 +210,69 @@ class PrepareModuleOutput(ParallelStyle):
     def io(self, fqn, module):
         outs = tuple(None if g is None else Layout(g, d) for g, d in zip(self.output_layouts, self.desired_output_layouts))
         return ModuleIO(outputs=outs, use_local_output=self.use_local_output)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """`PrepareModuleInput` and `PrepareModuleOutput` on one module (torch's style of that name)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts: Mapping[str, Placement] | None = None,
+                 desired_input_kwarg_layouts: Mapping[str, Placement] | None = None,
+                 use_local_input: bool = False, output_layouts, desired_output_layouts, use_local_output: bool = True):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def io(self, fqn, module):
+        ins, outs = self.prepare_module_input.io(fqn, module), self.prepare_module_output.io(fqn, module)
+        return ModuleIO(inputs=ins.inputs, kwarg_inputs=ins.kwarg_inputs, outputs=outs.outputs,
+                        use_local_output=outs.use_local_output, use_local_input=ins.use_local_output)
+
+
+_TORCH_STYLES = "torch.distributed.tensor.parallel"
+
+
+def from_torch(style) -> ParallelStyle | None:
+    """One of torch's own styles (``torch.distributed.tensor.parallel.ColwiseParallel`` ...) as
+    graphshard's style of the same arguments, read from the attributes torch's constructor sets; None
+    for anything else (a user's own subclass of torch's ``ParallelStyle`` is not torch's own)."""
+    from torch.distributed.tensor import parallel as tp
+
+    if not type(style).__module__.startswith(_TORCH_STYLES):
+        return None
+    kind = type(style)
+    if kind is tp.ColwiseParallel:
+        return ColwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                               use_local_output=style.use_local_output)
+    if kind is tp.RowwiseParallel:
+        return RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=style.output_layouts[0],
+                               use_local_output=style.use_local_output)
+    if kind is tp.SequenceParallel:
+        (seq,) = style.sequence_sharding
+        return SequenceParallel(sequence_dim=seq.dim, use_local_output=style.use_local_output)
+    if kind is tp.PrepareModuleInput:
+        return PrepareModuleInput(**_input_args(style), use_local_output=style.use_local_output)
+    if kind is tp.PrepareModuleOutput:
+        return PrepareModuleOutput(**_output_args(style), use_local_output=style.use_local_output)
+    if kind is tp.PrepareModuleInputOutput:
+        ins, outs = style.prepare_module_input, style.prepare_module_output
+        return PrepareModuleInputOutput(**_input_args(ins), use_local_input=ins.use_local_output,
+                                        **_output_args(outs), use_local_output=outs.use_local_output)
+    return None
+
+
+def _input_args(style) -> dict:
+    return dict(input_layouts=style.input_layouts, desired_input_layouts=style.desired_input_layouts,
+                input_kwarg_layouts=style.input_kwarg_layouts,
+                desired_input_kwarg_layouts=style.desired_input_kwarg_layouts)
+
+
+def _output_args(style) -> dict:
+    return dict(output_layouts=style.output_layouts, desired_output_layouts=style.desired_output_layouts)
 
 
 def placement_str(p: Placement) -> str:

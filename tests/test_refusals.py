@@ -245,12 +245,3 @@ class TestDistributedModelParallel:
                                                         r"\(stride_per_key_per_rank\) reached the sharded lookup inside "
                                                         r"the model; DistributedModelParallel expands one it is given"):
             dmp.module(kjt)
-
-
-def test_torchs_own_tensor_parallel_style_names_graphshards():
-    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
-
-    with pytest.raises(ValueError, match=r"^plan key 'fc1' has spec .*: torch's ColwiseParallel is for torch's "
-                                         r"parallelize_module; a graphshard plan takes "
-                                         r"graphshard\.tensor_parallel\.ColwiseParallel, which has the same arguments$"):
-        graphshard.Plan(mesh1d("tp"), {"fc1": TorchColwise()})

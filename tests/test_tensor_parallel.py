@@ -233,6 +233,60 @@ def test_documented_defaults():
     assert PrepareModuleOutput(output_layouts=Shard(0), desired_output_layouts=Replicate()).use_local_output is True
 
 
+def _torch_and_graphshard_styles():
+    """The same styles in torch's spelling and graphshard's: every argument away from its default."""
+    from torch.distributed.tensor import parallel as tp
+
+    import graphshard.tensor_parallel as gtp
+
+    def both(name, **kw):
+        return getattr(tp, name)(**kw), getattr(gtp, name)(**kw)
+
+    s0, s1, r = Shard(0), Shard(1), Replicate()
+    return [
+        both("ColwiseParallel"), both("ColwiseParallel", input_layouts=s0, output_layouts=r, use_local_output=False),
+        both("RowwiseParallel"), both("RowwiseParallel", input_layouts=r, output_layouts=s1, use_local_output=False),
+        both("SequenceParallel"), both("SequenceParallel", sequence_dim=0, use_local_output=True),
+        both("PrepareModuleInput", input_layouts=(s1, None), desired_input_layouts=(r, None),
+             input_kwarg_layouts={"mask": s0}, desired_input_kwarg_layouts={"mask": r}, use_local_output=True),
+        both("PrepareModuleOutput", output_layouts=(r, s0), desired_output_layouts=(s1, r), use_local_output=False),
+        both("PrepareModuleInputOutput", input_layouts=s1, desired_input_layouts=r, use_local_input=True,
+             output_layouts=r, desired_output_layouts=s1, use_local_output=False),
+    ]
+
+
+@pytest.mark.parametrize("module", [nn.Linear(16, 8), nn.Embedding(32, 16)], ids=["linear", "embedding"])
+def test_torchs_own_styles_read_as_graphshards(module):
+    """A script that switches only ``parallelize_module``'s import keeps torch's styles: each is read as
+    graphshard's style of the same arguments (same parameter placements, same declared layouts)."""
+    from graphshard.styles import from_torch
+
+    for theirs, ours in _torch_and_graphshard_styles():
+        read = from_torch(theirs)
+        assert type(read) is type(ours), theirs
+        assert read.io("m", module) == ours.io("m", module), theirs
+        if type(ours).__name__ in ("ColwiseParallel", "RowwiseParallel"):
+            assert read.param_placements("m", module) == ours.param_placements("m", module), theirs
+
+
+def test_a_plan_of_torchs_styles_compiles_to_graphshards_program():
+    from torch.distributed.tensor import parallel as tp
+
+    plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "layers.*.attn.w[qkv]": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel(),
+            "layers.*.ffn.w1": ColwiseParallel(), "layers.*.ffn.w2": RowwiseParallel(),
+            "layers.*.*_norm": SequenceParallel(), "layers.*.attn": SEQ_IN}
+    theirs = {k: getattr(tp, type(s).__name__)(**({"input_layouts": Replicate()} if k == "tok_embeddings" else {}))
+              for k, s in plan.items() if k != "layers.*.attn"}
+    theirs["layers.*.attn"] = tp.PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    ids = (torch.randint(0, 32, (2, 8)),)
+    graphs = [compiled_stages(seeded(Transformer, TINY), graphshard.Plan(mesh1d("tp"), p), ids) for p in (plan, theirs)]
+    assert graphs[0]["forward"] == graphs[1]["forward"] and graphs[0]["backward"] == graphs[1]["backward"]
+    linear = seeded(nn.Linear, 16, 8)
+    parallelize_module(linear, mesh1d("tp"), tp.ColwiseParallel())  # and through parallelize_module
+    assert linear.weight.placements == (Shard(0),) and linear.weight.to_local().shape == (2, 16)
+
+
 def test_parallelize_module_returns_the_module_with_dtensor_parameters():
     model = seeded(Transformer, TINY)
     names = [n for n, _ in model.named_parameters()]

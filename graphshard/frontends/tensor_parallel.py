@@ -32,9 +32,11 @@ from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    from_torch,
 )
 
 log = logging.getLogger("graphshard")
@@ -96,15 +98,15 @@ def parallelize_module(
             f"parallelize_plan must be a ParallelStyle or a dict from module FQN to ParallelStyle, "
             f"got {type(parallelize_plan).__name__}"
         )
+    # torch's own styles are graphshard's of the same arguments (a script keeps its style imports)
+    parallelize_plan = {key: from_torch(style) or style for key, style in parallelize_plan.items()}
     for key, style in parallelize_plan.items():
         if not isinstance(style, ParallelStyle) and not user_styles.is_user_style(style):
             raise ValueError(
-                f"parallelize_plan[{key!r}] is {style!r}; expected a ParallelStyle: graphshard's ColwiseParallel(), "
-                "RowwiseParallel(), SequenceParallel(), PrepareModuleInput(), PrepareModuleOutput(), or your own "
-                "subclass of torch's ParallelStyle whose _apply calls distribute_module"
-                + (f" (torch's {type(style).__name__} is for torch's parallelize_module: use "
-                   f"graphshard.tensor_parallel.{type(style).__name__}, which has the same arguments)"
-                   if user_styles.is_torch_builtin(style) else "")
+                f"parallelize_plan[{key!r}] is {style!r}; expected a ParallelStyle: ColwiseParallel(), "
+                "RowwiseParallel(), SequenceParallel(), PrepareModuleInput(), PrepareModuleOutput(), "
+                "PrepareModuleInputOutput() (graphshard's or torch's), or your own subclass of torch's ParallelStyle "
+                "whose _apply calls distribute_module"
             )
     target, rules = _merged(module, device_mesh, dict(parallelize_plan))
     options = {**getattr(target, "_graphshard_tp_options", {}), **compile_options}
@@ -130,6 +132,8 @@ def _hands_on_pieces(style) -> bool:
         return False
     if isinstance(style, SequenceParallel):
         return True
+    if isinstance(style, PrepareModuleInputOutput):
+        style = style.prepare_module_output
     if isinstance(style, PrepareModuleOutput):
         return any(isinstance(p, Shard) for p in style.desired_output_layouts)
     return isinstance(getattr(style, "output_layouts", None), Shard)
@@ -262,5 +266,6 @@ __all__ = [
     "SequenceParallel",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "PrepareModuleInputOutput",
     "ParallelStyle",
 ]

@@ -128,11 +128,11 @@ def nested_units(module: nn.Module, wrappers: dict[int, Any], root_config, root_
     agree with the root's (ValueError naming the setting). Also returns the modules of units over a
     process group of one rank (each rank its own parameters, never reduced: ``MixtureOfExperts``'
     experts), which the root keeps as ignored modules."""
-    from graphshard.frontends.fsdp.wrap import _targeted_units
+    from graphshard.frontends.fsdp.wrap import targeted_units
 
     by_module = {m: w for m in module.modules() if (w := wrappers.get(id(m))) is not None}
     units, rank_local = [], []
-    for fqn, mod, _ in _targeted_units(module, {m: {} for m in by_module}):
+    for fqn, mod, _ in targeted_units(module, {m: {} for m in by_module}):
         w = by_module[mod]
         cfg = w._own_config  # as built (a unit of an inner root: that root's), not the root it joined last
         where = f"the FullyShardedDataParallel around {fqn!r} ({type(mod).__name__})"

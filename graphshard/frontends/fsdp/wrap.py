@@ -103,7 +103,7 @@ def decide_units(
         for m in root.modules():
             if classes and m not in ignored and isinstance(m, classes):
                 targets.setdefault(m, {})["mixed_precision"] = None
-        units = _targeted_units(root, targets)
+        units = targeted_units(root, targets)
     else:
         if classes:
             user_policy = policy
@@ -128,7 +128,7 @@ def _policy_targets(
     return policy._run_policy(root, ignored, {})
 
 
-def _targeted_units(root: nn.Module, targets: dict[nn.Module, dict[str, Any]]) -> list[Unit]:
+def targeted_units(root: nn.Module, targets: dict[nn.Module, dict[str, Any]]) -> list[Unit]:
     """The targets other than ``root`` in post-order, each module visited once (its first FQN)."""
     units: list[Unit] = []
     visited = {root}
