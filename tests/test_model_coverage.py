@@ -78,9 +78,10 @@ def coverage_results(request):
     two = [c for c in cases if not c.split(":")[1] == "fsdp_tp"]
     four = [c for c in cases if c.split(":")[1] == "fsdp_tp"]
     # a case that takes its job down fails alone (`_launch.run_cases`); a job's limit is a backstop
-    # against a hang (the worker's collectives time out in 10 min), generous for a cold full run
-    results = {**run_cases("coverage.py", two, nproc=2, timeout=max(3600, 30 * len(two))),
-               **run_cases("coverage.py", four, nproc=4, timeout=max(3600, 30 * len(four)))}
+    # against a hang (the worker's collectives time out in 10 min): 90 s a case, as a cold full run
+    # took up to 46 s a case on a loaded 2-core AVX2 machine, where 30 s cut the 2-rank job short
+    results = {**run_cases("coverage.py", two, nproc=2, timeout=max(3600, 90 * len(two))),
+               **run_cases("coverage.py", four, nproc=4, timeout=max(3600, 90 * len(four)))}
     record_coverage(results)
     return results
 
