@@ -228,3 +228,23 @@ def test_estimate_plan_of_any_plan():
     hand = ours.estimate_plan(model, rw, _sharders())
     assert {t.option.sharding_type for t in hand.tables} == {"row_wise"}
     assert max(hand.load) > max(ours.estimate.load)  # row-wise moves twice the pooled rows: worse here
+
+
+def test_estimate_plan_reads_table_column_wise_as_column_wise():
+    # TorchRec's planner picks table-column-wise (its default plan for a Criteo-shaped DLRM);
+    # graphshard runs it as column-wise on one host, and its cost model estimates it so
+    import dataclasses
+
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    fqn = "sparse_arch.embedding_bag_collection"
+    cw = construct_module_sharding_plan(
+        _dlrm().sparse_arch.embedding_bag_collection, world_size=2, device_type="cpu",
+        per_param_sharding={f"t{i}": column_wise(ranks=[0, 1], compute_kernel="fused") for i in range(8)})
+    twcw = {name: dataclasses.replace(ps, sharding_type="table_column_wise") for name, ps in cw.items()}
+    planner = EmbeddingShardingPlanner(topology=_topology(2))
+    as_cw = planner.estimate_plan(_dlrm(), ShardingPlan({fqn: cw}), _sharders())
+    as_twcw = planner.estimate_plan(_dlrm(), ShardingPlan({fqn: twcw}), _sharders())
+    assert {t.option.sharding_type for t in as_twcw.tables} == {"column_wise"}
+    assert as_twcw.load == pytest.approx(as_cw.load) and as_twcw.memory == as_cw.memory
