@@ -162,6 +162,11 @@ def _glob_regex(pattern: str) -> re.Pattern:
     return re.compile("".join(out) + r"\Z")
 
 
+def fqn_join(prefix: str, name: str) -> str:
+    """``prefix.name``, either part possibly the root's empty FQN."""
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
 def fqn_match(fqn: str, pattern: str) -> bool:
     """Whether module FQN ``fqn`` matches plan key ``pattern``."""
     return _glob_regex(pattern).match(fqn) is not None

@@ -233,7 +233,9 @@ class PrepareModuleInputOutput(ParallelStyle):
                         use_local_output=outs.use_local_output, use_local_input=ins.use_local_output)
 
 
-_TORCH_STYLES = "torch.distributed.tensor.parallel"
+def is_torch_style(style) -> bool:
+    """Whether ``style`` is one of torch's own styles (defined in ``torch.distributed.tensor.parallel``)."""
+    return type(style).__module__.startswith("torch.distributed.tensor.parallel")
 
 
 def from_torch(style) -> ParallelStyle | None:
@@ -242,7 +244,7 @@ def from_torch(style) -> ParallelStyle | None:
     for anything else (a user's own subclass of torch's ``ParallelStyle`` is not torch's own)."""
     from torch.distributed.tensor import parallel as tp
 
-    if not type(style).__module__.startswith(_TORCH_STYLES):
+    if not is_torch_style(style):
         return None
     kind = type(style)
     if kind is tp.ColwiseParallel:

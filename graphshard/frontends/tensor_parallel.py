@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 
 from graphshard import _compat, api, storage
 from graphshard.frontends import user_styles
-from graphshard.plan import Plan, fqn_match as plan_match
+from graphshard.plan import Plan, fqn_join, fqn_match as plan_match
 from graphshard.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -193,10 +193,6 @@ def _fqn_in(outer: nn.Module, inner: nn.Module) -> str | None:
     return next((fqn for fqn, m in outer.named_modules() if m is inner), None)
 
 
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix and key else prefix or key
-
-
 def _merged(module: nn.Module, mesh: DeviceMesh, plan: dict) -> tuple[nn.Module, dict]:
     """The module to compile and its merged plan: ``module``'s, with the plans of the earlier calls
     on it, on a module that holds it (then that one is compiled) or on modules it holds."""
@@ -219,10 +215,10 @@ def _merged(module: nn.Module, mesh: DeviceMesh, plan: dict) -> tuple[nn.Module,
                 f"parallelize_module: {type(module).__name__} is parallelized over mesh {mesh}, but an earlier call "
                 f"parallelized {type(mod).__name__}{f' ({at!r})' if at else ''} over {state.plan.mesh}; every call "
                 "on one model takes the same tensor-parallel mesh")
-        rules.update({_join(at, k): v for k, v in mod._graphshard_tp_rules.items()})
+        rules.update({fqn_join(at, k): v for k, v in mod._graphshard_tp_rules.items()})
     styled = _styled_modules(target, rules)
     for key, style in plan.items():
-        full = _join(prefix, key)
+        full = fqn_join(prefix, key)
         for fqn, mod in target.named_modules():
             if plan_match(fqn, full) and id(mod) in styled:
                 before, by = styled[id(mod)]

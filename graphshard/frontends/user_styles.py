@@ -36,17 +36,16 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle as TorchStyle
 
 from graphshard import _compat
-from graphshard.plan import fqn_match
-from graphshard.styles import Layout, ModuleIO, ParallelStyle
+from graphshard.plan import fqn_join, fqn_match
+from graphshard.styles import Layout, ModuleIO, ParallelStyle, is_torch_style
 
-_BUILTIN_MODULE = "torch.distributed.tensor.parallel"
 log = logging.getLogger("graphshard")
 
 
 def is_torch_builtin(style) -> bool:
     """Whether ``style`` is one of torch's own styles (``ColwiseParallel`` ...), which graphshard
     spells with its own classes of the same arguments."""
-    return isinstance(style, TorchStyle) and type(style).__module__.startswith(_BUILTIN_MODULE)
+    return isinstance(style, TorchStyle) and is_torch_style(style)
 
 
 def is_user_style(style) -> bool:
@@ -83,7 +82,7 @@ def expand(root: nn.Module, mesh: DeviceMesh, rules: dict) -> dict:
             raise ValueError(f"plan key {key!r} matches no module of {type(root).__name__}")
         for fqn, mod in hits:
             for sub, derived in derive(style, fqn, mod, mesh).items():
-                out[f"{fqn}.{sub}" if fqn and sub else fqn or sub] = derived
+                out[fqn_join(fqn, sub)] = derived
     return out
 
 
@@ -112,10 +111,10 @@ def derive(style: TorchStyle, fqn: str, module: nn.Module, mesh: DeviceMesh) -> 
                       for now, old in zip(_compat.forward_hooks(m), before[sub])]
         if sub and any(added[sub]):
             raise NotImplementedError(
-                f"{name}: the style's _apply registered a forward hook on submodule {_join(fqn, sub)!r}; graphshard "
+                f"{name}: the style's _apply registered a forward hook on submodule {fqn_join(fqn, sub)!r}; graphshard "
                 "reads a style's input_fn and output_fn from the module it is applied to only: apply a style to that "
                 "submodule instead")
-        placements = {pname: _placement(name, _join(_join(fqn, sub), pname), p, mesh)
+        placements = {pname: _placement(name, fqn_join(fqn_join(fqn, sub), pname), p, mesh)
                       for pname, p in m._parameters.items() if p is not None}
         if placements:
             out[sub] = DerivedStyle(name, placements, None)
@@ -136,10 +135,6 @@ def derive(style: TorchStyle, fqn: str, module: nn.Module, mesh: DeviceMesh) -> 
                                ModuleIO(inputs=inputs, outputs=outputs, use_local_output=local))
     log.info("graphshard: %s reads as %s", name, {sub or "<module>": (d.placements, d.module_io) for sub, d in out.items()})
     return out
-
-
-def _join(a: str, b: str) -> str:
-    return f"{a}.{b}" if a and b else a or b
 
 
 def _placement(name: str, where: str, p, mesh: DeviceMesh):
