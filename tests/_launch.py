@@ -77,6 +77,8 @@ def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900,
     cases = list(cases)
     while cases:
         done, proc = launch(worker, cases, nproc, timeout, env)
+        if proc.returncode != 0:
+            done = _before_peer_died(done)
         results.update((r["case"], r) for r in done)
         cases = [c for c in cases if c not in results]
         if not cases:
@@ -87,9 +89,39 @@ def run_cases(worker: str, cases: list[str], nproc: int = 2, timeout: int = 900,
         if proc.returncode == 0:
             raise AssertionError(f"{worker} ended without results for {cases}")
         results[cases[0]] = {"case": cases[0], "ok": False, "error": JOB_FAILED, "message": _cause(proc.stderr),
-                             "traceback": proc.stderr[-6000:]}
+                             "traceback": _first_death(proc.stderr)}
         cases = cases[1:]
     return results
+
+
+_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused")
+"""gloo's words, on a rank still running, for a collective whose peer process has died."""
+
+
+def _before_peer_died(done: list[dict]) -> list[dict]:
+    """The results of a failed job up to the first case whose error is a dead peer: rank 0 goes on
+    through the cases after a peer died, failing each on the lost connection. That case is the one
+    the death interrupted, and is reported with the job's error (`_first_death`); the cases after it
+    run again in a job of their own."""
+    for i, r in enumerate(done):
+        if any(_PEER_GONE.search(str(r.get(k, ""))) for k in ("refused", "error", "message", "traceback")):
+            return done[:i]
+    return done
+
+
+_DEATH = re.compile(r"^(Fatal Python error|terminate called|Current thread|Thread 0x|.*Signal \d+ \(SIG)", re.M)
+
+
+def _first_death(stderr: str, limit: int = 8000) -> str:
+    """What the job printed from the first sign of a rank's death on (faulthandler's stacks, the
+    C++ ``terminate`` line): the dying rank's own account, which the launcher's summary at the end
+    of a long output would push out of a tail; the tail when there is no such sign."""
+    m = _DEATH.search(stderr)
+    if m is None:
+        return stderr[-limit:]
+    start = max(0, stderr.rfind("\n", 0, max(0, m.start() - 1500)))  # the lines just before it too
+    text = stderr[start:start + limit]
+    return text if len(stderr) - start <= limit else text + f"\n[... {len(stderr) - start - limit} more characters]\n" + stderr[-1500:]
 
 
 def _cause(stderr: str) -> str:

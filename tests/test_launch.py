@@ -33,3 +33,12 @@ def test_a_job_past_its_limit_keeps_what_it_printed_and_fails_the_case_it_was_in
     assert results["ok:a"]["sum"] == results["ok:c"]["sum"] == 2.0  # printed before the limit; launched again
     with pytest.raises(AssertionError, match=r"sleep:b took its job down: TimeoutError: the job ran past its 30 s limit"):
         results["sleep:b"]
+
+
+def test_a_rank_that_dies_fails_the_case_it_was_in_with_its_own_stack():
+    # rank 0 records the lost connection for abort:b and would for every case after it; those
+    # run again in a job of their own, and abort:b's failure shows the dead rank's stack
+    results = run_cases("fails.py", ["ok:a", "abort:b", "ok:c", "ok:d"], nproc=2, timeout=300)
+    assert results["ok:a"]["sum"] == results["ok:c"]["sum"] == results["ok:d"]["sum"] == 2.0
+    with pytest.raises(AssertionError, match=r"(?s)abort:b took its job down: .*Fatal Python error: Aborted.*fails\.py"):
+        results["abort:b"]
