@@ -205,7 +205,7 @@ class ShardedModel:
     eager_reads: dict = field(  # key -> where a frame run eagerly in a compiled call read it
         default_factory=dict, metadata=unkeyed("written by calls"))
     sync_gradients: bool = field(  # False inside graphshard.no_sync: backward skips dp reductions
-        default=True, metadata=unkeyed("read per call by grad_sync.GradSync, not by the compile"))
+        default=True, metadata=unkeyed("read per call by compiler.grad_sync.GradSync, not by the compile"))
     local_outputs: bool = False  # use_local_output=True sharded module outputs read as each rank's piece
     fed_locals: dict = field(  # id(local shard) -> its DTensor, during a compiled call (`storage.feeding_local_shards`)
         default_factory=dict, metadata=unkeyed("this call's tensors"))

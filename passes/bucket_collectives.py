@@ -15,7 +15,7 @@ import operator
 
 import torch.fx as fx
 
-from graphshard.compiler.explain import CollectiveRecord
+from graphshard.report import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.passes.context import PassContext
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from graphshard.config import CompileConfig
 from graphshard.fingerprint import unkeyed
-from graphshard.compiler.explain import GraphReport
+from graphshard.report import GraphReport
 from graphshard.params import AxisGroup
 from graphshard.ops.rng import RandomDraws
 from graphshard.sharding import ShardedModel, ShardedParam

@@ -30,7 +30,7 @@ import operator
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from graphshard.compiler.explain import CollectiveRecord
+from graphshard.report import CollectiveRecord
 from graphshard.ops import ops
 from graphshard.passes._graph import R, aten, fmt_placement, tensor_args
 from graphshard.plan import StridedShard

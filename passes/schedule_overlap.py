@@ -48,9 +48,9 @@ import torch.fx as fx
 
 import graphshard.ops  # noqa: F401  (registers torch.ops.graphshard)
 from graphshard._compat import c10d
-from graphshard.compiler import grad_sync
-from graphshard.compiler.explain import CollectiveRecord, add_compute, collective_of_wait
 from graphshard.passes.context import PassContext
+from graphshard.passes.no_sync_programs import sent
+from graphshard.report import CollectiveRecord, add_compute, collective_of_wait
 
 _STARTS = {c10d.all_gather_into_tensor.default: "all_gather", c10d.reduce_scatter_tensor.default: "reduce_scatter",
            c10d.all_reduce.default: "all_reduce", c10d.all_to_all_single.default: "all_to_all",
@@ -104,10 +104,10 @@ def _exclusive_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
 
 def _reduction_prep(start: fx.Node, index: dict[fx.Node, int]) -> list[fx.Node]:
     """`_exclusive_prep` of a gradient reduction. On gloo's all-to-all form the pack has a second
-    output, the row this rank keeps (`grad_sync.sent`), which only the reduction's own
+    output, the row this rank keeps (`no_sync_programs.sent`), which only the reduction's own
     ``unpack_reduced`` reads: the pack (and what exists only to build it) moves with the reduction."""
     prep = _exclusive_prep(start, index)
-    kept = grad_sync.sent(start)[1:]
+    kept = sent(start)[1:]
     if kept:
         pack = kept[0].args[0]
         prep = list({n: None for n in prep + _exclusive_prep(pack, index) + [pack, *pack.users]})

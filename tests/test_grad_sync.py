@@ -1,4 +1,4 @@
-"""``graphshard.no_sync``'s two derived backward programs (`graphshard.compiler.grad_sync`), as
+"""``graphshard.no_sync``'s two derived backward programs (`graphshard.passes.no_sync_programs`), as
 golden graphs on a fake process group: ``accumulate`` (the root gradient reductions and what
 follows them removed, what they reduce returned) and ``flush`` (the pending buffers added to
 what they reduce). Parity with torch's FSDP under ``no_sync`` on gloo ranks is
@@ -13,7 +13,8 @@ from expecttest import TestCase
 
 from _golden import compiled_stages
 from _models import fsdp_plan, stack
-from graphshard.compiler import grad_sync
+from graphshard.compiler import backend
+from graphshard.passes import no_sync_programs
 from graphshard.params import AxisGroup
 
 
@@ -26,8 +27,8 @@ def _backward_and_roots(gloo_forms: bool):
         seen.append((gm, roots))
         return roots
 
-    real = grad_sync.root_reductions
-    with mock.patch.object(grad_sync, "root_reductions", spy), \
+    real = no_sync_programs.root_reductions
+    with mock.patch.object(backend, "root_reductions", spy), \
             mock.patch.object(AxisGroup, "scatter_by_all_to_all", new_callable=mock.PropertyMock,
                               return_value=gloo_forms):
         plan = fsdp_plan()
@@ -51,10 +52,10 @@ class TestGradSync(TestCase):
         # accumulated micro-batch's gradient.
         bw, roots, group = _backward_and_roots(gloo_forms=True)
         self.assertEqual(len(roots), 3)
-        self.assertEqual([len(grad_sync.sent(r)) for r in roots], [2, 2, 2])
-        acc = grad_sync.accumulate_variant(bw, roots)
+        self.assertEqual([len(no_sync_programs.sent(r)) for r in roots], [2, 2, 2])
+        acc = no_sync_programs.accumulate_variant(bw, roots)
         self.assertExpectedInline(_lines(acc, group, "return"), """return (None, None, None, None, getitem_3, getitem_4, getitem_6, getitem_7, getitem_9, getitem_10)""")
-        flush = grad_sync.flush_variant(bw, roots)
+        flush = no_sync_programs.flush_variant(bw, roots)
         self.assertExpectedInline(_lines(flush, group, "pending_grads", "all_to_all_single.default", "unpack_reduced.default"), """\
 def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, detach_3, tangents_1, pending_grads_0, pending_grads_1, pending_grads_2, pending_grads_3, pending_grads_4, pending_grads_5):
 add_tensor = torch.ops.aten.add.Tensor(getitem_3, pending_grads_0);  getitem_3 = pending_grads_0 = None
@@ -72,8 +73,8 @@ unpack_reduced_2 = torch.ops.graphshard.unpack_reduced.default(wait_tensor_5, 3,
 
     def test_flush_adds_the_pending_bucket_before_a_reduce_scatter(self):
         bw, roots, group = _backward_and_roots(gloo_forms=False)
-        self.assertEqual([len(grad_sync.sent(r)) for r in roots], [1, 1, 1])
-        flush = grad_sync.flush_variant(bw, roots)
+        self.assertEqual([len(no_sync_programs.sent(r)) for r in roots], [1, 1, 1])
+        flush = no_sync_programs.flush_variant(bw, roots)
         self.assertExpectedInline(_lines(flush, group, "pending_grads", "reduce_scatter_tensor.default"), """\
 def forward(self, primals_1, primals_2, primals_3, primals_4, relu, relu_1, detach_3, tangents_1, pending_grads_0, pending_grads_1, pending_grads_2):
 add_tensor = torch.ops.aten.add.Tensor(pack_grads, pending_grads_0);  pack_grads = pending_grads_0 = None
@@ -82,3 +83,28 @@ add_tensor_1 = torch.ops.aten.add.Tensor(pack_grads_1, pending_grads_1);  pack_g
 reduce_scatter_tensor_1 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_tensor_1, 'avg', 4, 'dp');  add_tensor_1 = None
 add_tensor_2 = torch.ops.aten.add.Tensor(pack_grads_2, pending_grads_2);  pack_grads_2 = pending_grads_2 = None
 reduce_scatter_tensor_2 = torch.ops._c10d_functional.reduce_scatter_tensor.default(add_tensor_2, 'avg', 4, 'dp');  add_tensor_2 = None""")
+
+    def test_dump_graphs_writes_each_derived_program_when_it_is_built(self):
+        import glob
+        import os
+        import tempfile
+
+        import graphshard
+
+        model, plan = stack(), fsdp_plan()
+        with tempfile.TemporaryDirectory() as d:
+            graphshard.compile(model, plan, lower="eager", dump_graphs=d, trace_once=False)
+            with graphshard.no_sync(model):
+                model(torch.randn(4, 8)).sum().backward()
+            dumped = sorted(os.path.basename(f) for f in glob.glob(os.path.join(d, "*no_sync*")))
+            self.assertEqual(dumped, ["g0_backward_no_sync_accumulate.txt"])  # flush: not used yet
+            model(torch.randn(4, 8)).sum().backward()
+            dumped = sorted(os.path.basename(f) for f in glob.glob(os.path.join(d, "*no_sync*")))
+            self.assertEqual(dumped, ["g0_backward_no_sync_accumulate.txt", "g0_backward_no_sync_flush.txt"])
+            with open(os.path.join(d, "g0_backward_no_sync_flush.txt")) as f:
+                flush = f.read()
+            with open(os.path.join(d, "g0_backward_no_sync_accumulate.txt")) as f:
+                accumulate = f.read()
+        self.assertIn("pending_grads_0", flush)
+        self.assertNotIn("reduce_scatter_tensor", accumulate)
+        self.assertNotIn("all_to_all_single", accumulate)

@@ -2,6 +2,9 @@
 
 - no import cycle between graphshard's modules, counting imports inside functions (a lazy import
   that breaks a cycle at load time still ties the two modules together);
+- no import cycle between its packages either (``compiler`` -> ``passes`` -> ``compiler`` through
+  two different modules is a loop the per-module check cannot see): ``passes/`` never imports
+  ``compiler/``;
 - no module imports another package's private name (``from graphshard.x.y import _helper``);
 - every ``graphshard::`` op is defined in ``graphshard/ops/``.
 
@@ -72,14 +75,17 @@ def _owner(target: str, modules: dict[str, str]) -> str | None:
     return target or None
 
 
-def import_cycles(modules: dict[str, str]) -> list[list[str]]:
-    """The strongly connected components (more than one module) of the import graph."""
-    graph = {m: set() for m in modules}
+def import_cycles(modules: dict[str, str], unit=lambda m, modules: m) -> list[list[str]]:
+    """The strongly connected components (more than one member) of the import graph, its members
+    the modules, or what ``unit`` maps each module to (`import_cycles_between_packages`)."""
+    graph = {unit(m, modules): set() for m in modules}
     for m, src in modules.items():
         for target, _, _ in _imports(m, src, modules):
             owner = _owner(target, modules)
             if owner and owner != m and not m.startswith(owner + "."):  # a package's own parents load first anyway
-                graph[m].add(owner)
+                a, b = unit(m, modules), unit(owner, modules)
+                if a != b:
+                    graph[a].add(b)
     index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):  # Tarjan
@@ -108,6 +114,17 @@ def import_cycles(modules: dict[str, str]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def _top_package(module: str, modules: dict[str, str]) -> str:
+    """``graphshard.compiler`` for any module under it; a top-level module (``graphshard.storage``)
+    is its own."""
+    top = ".".join(module.split(".")[:2])
+    return top if top != module or _is_package(top, modules) else module
+
+
+def import_cycles_between_packages(modules: dict[str, str]) -> list[list[str]]:
+    return import_cycles(modules, _top_package)
 
 
 def _package(module: str, modules: dict[str, str]) -> str:
@@ -152,6 +169,10 @@ def test_no_import_cycles():
     assert import_cycles(_modules()) == []
 
 
+def test_no_import_cycles_between_packages():
+    assert import_cycles_between_packages(_modules()) == []
+
+
 def test_no_private_names_across_packages():
     assert private_imports(_modules()) == []
 
@@ -169,6 +190,12 @@ def test_the_rules_fire_on_planted_violations():
     planted["graphshard.planning.auto_plan"] += "\nfrom graphshard.frontends.fsdp._common import clean_fqn\n"
     planted["graphshard.sparse.layout"] += '\nlib = torch.library.Library("graphshard", "FRAGMENT")\n'
     assert any({"graphshard.plan", "graphshard.storage"} <= set(c) for c in import_cycles(planted))
+    assert import_cycles_between_packages(modules) == []
+    # passes -> compiler, where compiler's modules import passes: no module cycle, one package cycle
+    loop = modules | {"graphshard.passes.context": modules["graphshard.passes.context"]
+                      + "\nfrom graphshard.compiler.explain import explain\n"}
+    assert import_cycles(loop) == []
+    assert import_cycles_between_packages(loop) == [["graphshard.compiler", "graphshard.passes"]]
     found = private_imports(planted)
     assert {"_trace_to_aten", "_strip_dtensor_boundary", "clean_fqn"} <= {v.split()[2] for v in found}
     assert op_definitions_outside_ops(planted) == ["graphshard.sparse.layout"]

@@ -31,7 +31,7 @@ from graphshard import _compat, storage
 from graphshard.compiler.backend import prepare
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 from graphshard.compiler import program_cache
-from graphshard.compiler.explain import GraphReport
+from graphshard.report import GraphReport
 from graphshard.config import CompileConfig
 
 STORED = ["fsdp", "whole", "tp", "ac"]

@@ -14,7 +14,7 @@ from _golden import compiled_stages
 from _models import fsdp_plan, mesh1d, seeded, stack
 from graphshard._compat import c10d
 from graphshard.config import CompileConfig
-from graphshard.compiler.explain import collective_kind
+from graphshard.report import collective_kind
 from graphshard.testing.models import MLP
 from graphshard.params import AxisGroup
 

@@ -37,7 +37,7 @@ from graphshard import _compat
 from graphshard.compiler import collective_check, compile_share, grad_sync, inductor_cpu, outline, program_cache, recompute
 from graphshard.compiler.aten_trace import trace_to_aten
 from graphshard.compiler.regions import inline_regions
-from graphshard.compiler.explain import GraphReport, add_compute, collective_kind
+from graphshard.report import GraphReport, add_compute, collective_kind
 from graphshard.compiler.lowering import fuse_packed_gathers, lower_regions, plan_regions, whole_graph_reason
 from graphshard.config import CompileConfig
 from graphshard.ops import ops
@@ -46,6 +46,7 @@ from graphshard.ops.rng import KeyStream
 from graphshard.ops.sparse import lookup_args
 from graphshard.params import resolve
 from graphshard.passes.pipeline import PassContext, post_partition_passes, pre_autograd_passes, run_passes
+from graphshard.passes.no_sync_programs import root_reductions
 from graphshard.passes.relax_views import relax_views
 from graphshard.sharding import ShardedModel, is_traced_key, model_for_key
 
@@ -549,7 +550,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
                 ctx.report.notes.append(f"no_sync: backward programs without the {len(roots)} data-parallel gradient "
                                         "reduction(s) and with the accumulated gradients added, each built and lowered "
                                         "on first use")
-                compiled_fn = grad_sync.GradSync(compiled_fn, lambda: (g, roots, list(inputs)), ctx.models, lower_variant)
+                compiled_fn = grad_sync.GradSync(compiled_fn, lambda: (g, roots, list(inputs)), ctx.models, lower_variant,
+                                                 dump=_variant_dump(ctx))
                 kept = g if kept is None else kept
             compiled_fn = checked(compiled_fn, by_group, stage)
             if not use_cache:
@@ -565,7 +567,8 @@ def _aot_compile(gm: fx.GraphModule, fake_inputs, ctx: PassContext, outlined: ou
         program_cache.apply_delta(ctx.report, stored.report)
         fn = stored.lowered
         if stored.backward is not None:
-            fn = grad_sync.GradSync(fn, lambda: _stored_backward(stored, ctx), ctx.models, lower_variant)
+            fn = grad_sync.GradSync(fn, lambda: _stored_backward(stored, ctx), ctx.models, lower_variant,
+                                    dump=_variant_dump(ctx))
         fn = checked(fn, stored.by_group if collective_check.enabled(config) else None, stored.stage)
         stored.run = program_cache.verified(fn, stored.signature, stored.stage, ctx.report.index)
 
@@ -637,7 +640,7 @@ def _grad_sync_roots(bw: fx.GraphModule, ctx: PassContext) -> list[fx.Node]:
         return []
     mp_groups = {axis.group_name for axis in ctx.model_parallel.values()}
     params = {i for i, unit in enumerate(ctx.input_units) if unit is not None}
-    return grad_sync.root_reductions(bw, mp_groups, params)
+    return root_reductions(bw, mp_groups, params)
 
 
 def _stored_backward(stored: program_cache.StageProgram, ctx: PassContext) -> tuple[fx.GraphModule, list, list]:
@@ -645,6 +648,20 @@ def _stored_backward(stored: program_cache.StageProgram, ctx: PassContext) -> tu
     bw = stored.backward_graph()
     inputs = [ph.meta["val"] for ph in bw.graph.find_nodes(op="placeholder")]
     return bw, _grad_sync_roots(bw, ctx), inputs
+
+
+def _variant_dump(ctx: PassContext) -> Callable[[str, fx.GraphModule], None] | None:
+    """With ``dump_graphs``: writes a ``no_sync`` program (`graphshard.passes.no_sync_programs`) when it is built."""
+    folder = ctx.config.dump_graphs
+    if not folder:
+        return None
+
+    def dump(name: str, g: fx.GraphModule) -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"g{ctx.report.index}_backward_no_sync_{name}.txt"), "w") as f:
+            f.write(g.print_readable(print_output=False, include_stride=False, include_device=False))
+
+    return dump
 
 
 def _lower_variant(g: fx.GraphModule, inputs: list, *, config: CompileConfig, share, compiled: dict):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.compiler.explain import collective_kind
+from graphshard.report import collective_kind
 
 PREFIX = "graphshard/collectives"
 DYNAMIC = "?"

@@ -43,7 +43,7 @@ import torch.fx as fx
 
 from graphshard import _compat
 from graphshard.compiler import inductor_cpu, program_cache
-from graphshard.compiler.explain import add_compute, collective_kind, collective_of_wait
+from graphshard.report import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
 from graphshard.ops.dense import gather_in_place, pack_into_slot
 

@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat, fingerprint
-from graphshard.compiler.explain import GraphReport
+from graphshard.report import GraphReport
 from graphshard.compiler.inductor_cpu import ISA_SPLIT_NOTE
 from graphshard.compiler.outline import BODY
 
