@@ -601,16 +601,16 @@ def call_invoke_subgraph(body: torch.fx.GraphModule, identifier: str, *operands)
     hop = invoke_subgraph_op()
     if not torch.is_grad_enabled() or not any(isinstance(o, torch.Tensor) and o.requires_grad for o in operands):
         return hop(body, identifier, *operands)
-    import importlib
+    from torch._higher_order_ops.invoke_subgraph import (
+        InvokeSubgraphAutogradOp, get_invoke_subgraph_cache, get_output_metadata)
 
-    impl = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
-    cache = impl.get_invoke_subgraph_cache()
+    cache = get_invoke_subgraph_cache()
     call = cache.get_autograd_key_entry(identifier) if cache else None
     if call is None:
-        metadata = impl.get_output_metadata(body, *operands)
+        metadata = get_output_metadata(body, *operands)
 
         def call(*args):
-            return impl.InvokeSubgraphAutogradOp.apply(body, identifier, metadata, *args)
+            return InvokeSubgraphAutogradOp.apply(body, identifier, metadata, *args)
 
         if cache:
             cache.add_autograd_key_entry(identifier, call)

@@ -51,7 +51,8 @@ class CompileConfig:
     batch_cpp_kernels: bool = False
     """On the CPU, build the C++ kernels of graphshard's Inductor compiles as one library per
     block of regions instead of one gcc run each (most of a gcc run is fixed cost; see
-    ``docs/design/compile-time.md``). Off by default: Inductor has no hook for it, so while a graphshard
+    ``docs/design/compile-time.md``). Experimental, off by default (`graphshard.compiler.experimental`):
+    Inductor has no hook for it, so while a graphshard
     compile runs, ``AsyncCompile.cpp_pybinding`` and ``wait`` are replaced class-wide (under
     a lock; calls made on any other thread go to Inductor's own methods unchanged)."""
     fast_isa_check: bool = False

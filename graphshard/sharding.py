@@ -9,6 +9,10 @@ parameter up in a process-wide table. Its records:
   key its marker carries, the FQNs, the placements over the mesh and its data-parallel and
   model-parallel axes, the module attribute that holds it, and its views: the stored local
   shard, the DTensor, the local gradient, a full copy.
+- `ShardedUnit`, one per unit (FSDP2's ``FSDPParamGroup``): its parameters, its spec (sharding
+  axis, reshard policy, dtypes), its flat storage, and the repeated body dynamo traces it with;
+  every reader of a unit's facts (the passes through its parameters, the outline of repeated
+  blocks, dynamo's regions, the frontends) reads them here.
 - `FlatUnit` / `FlatSlot`: a unit whose parameters live in one flat 1-D parameter (FSDP1's
   ``use_orig_params=False``) and each parameter's place in it.
 - the embedding collections sharded with the model (`graphshard.sparse.collection`).
@@ -34,7 +38,7 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from graphshard import _compat, params
 from graphshard.fingerprint import unkeyed
 from graphshard.params import AxisGroup, chunk_size, local_size
-from graphshard.plan import FullyShard, ParamLayout, Plan, StridedShard
+from graphshard.plan import FullyShard, ParamLayout, Plan, StridedShard, UnitSpec
 
 FLAT_PARAM = "_flat_param"
 """The attribute name of a unit's flat parameter (FSDP1's)."""
@@ -69,6 +73,36 @@ class FlatUnit:
 
 
 @dataclass(eq=False)
+class ShardedUnit:
+    """One unit: the parameters gathered before its forward and reduced after its backward together,
+    and how (FSDP2's ``FSDPParamGroup``)."""
+
+    fqn: str                          # the module's FQN, "" for the root
+    keys: list[str]                   # its parameters' keys, in registration order
+    spec: UnitSpec | None             # the plan's spec: sharding axis, reshard policy, dtypes, flat_params
+    flat: FlatUnit | None = field(default=None, repr=False)  # its flat parameter, with flat_params
+    body: str | None = field(  # the repeated body dynamo traces it with (`compiler.regions`), None: traced in line
+        default=None, metadata=unkeyed("decides the graph dynamo hands the backend, which aot_autograd keys"))
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether its gathered parameters are freed after forward and gathered again in backward:
+        FULL_SHARD, except the root unit (``""``), which keeps them whatever its spec says, as FSDP2's
+        root does (the backward needs the root's output head first)."""
+        return isinstance(self.spec, FullyShard) and self.spec.reshard_after_forward and self.fqn != ""
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The dtype its parameters compute in (mixed precision), None: their own."""
+        return getattr(self.spec, "param_dtype", None)
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype its gradients are reduced in, None: the parameters' compute dtype."""
+        return getattr(self.spec, "reduce_dtype", None)
+
+
+@dataclass(eq=False)
 class ShardedParam:
     """One sharded parameter: its layout, where it is stored, and its views."""
 
@@ -84,8 +118,13 @@ class ShardedParam:
     # where it is stored (set by storage.shard; left out of the repr, which would print the module)
     owner: tuple[nn.Module, str] | None = field(  # the module holding it, the attribute
         default=None, repr=False, metadata=unkeyed("where it is stored; its layout is the fields above"))
-    flat: FlatUnit | None = field(default=None, repr=False)  # its unit's flat parameter, when it lives in one
-    slot: FlatSlot | None = None                              # and its place there
+    unit: ShardedUnit | None = field(default=None, repr=False)  # its unit (None: outside any data-parallel unit)
+    slot: FlatSlot | None = None                                # its place in the unit's flat parameter, if any
+
+    @property
+    def flat(self) -> FlatUnit | None:
+        """Its unit's flat parameter, when it lives in one."""
+        return self.unit.flat if self.unit is not None else None
 
     # ---- data-parallel storage (the tensor as seen before the dp all-gather) ----
     @property
@@ -114,21 +153,16 @@ class ShardedParam:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        spec = self.layout.unit_spec
-        return (spec.param_dtype if spec is not None else None) or self.dtype
+        return (self.unit.param_dtype if self.unit is not None else None) or self.dtype
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        spec = self.layout.unit_spec
-        return (spec.reduce_dtype if spec is not None else None) or self.param_dtype
+        return (self.unit.reduce_dtype if self.unit is not None else None) or self.param_dtype
 
     @property
     def reshard_after_forward(self) -> bool:
-        """Whether the gathered parameter is freed after forward and gathered again in backward:
-        FULL_SHARD, except in the root unit (``""``), which keeps it whatever its spec says, as
-        FSDP2's root does (the backward needs the root's output head first)."""
-        spec = self.layout.unit_spec
-        return isinstance(spec, FullyShard) and spec.reshard_after_forward and self.layout.unit != ""
+        """Its unit's policy (`ShardedUnit.reshard_after_forward`); False outside any unit."""
+        return self.unit is not None and self.unit.reshard_after_forward
 
     @functools.cached_property
     def placements(self) -> tuple:
@@ -190,9 +224,8 @@ class ShardedModel:
     plan: Plan
     model_id: int
     params: dict[str, ShardedParam]                   # by key, in registration order
-    units: dict[str, list[str]]                       # unit FQN -> parameter keys, in registration order
+    units: dict[str, ShardedUnit]                     # by unit FQN, in registration order
     axes: dict[str, AxisGroup]                        # every mesh axis of the plan, as c10d sees it
-    flat: dict[str, FlatUnit] = field(default_factory=dict)  # unit FQN -> its flat parameter (flat_params)
     collections: list = field(default_factory=list)   # its sharded embedding collections (SparseCollection)
     name: str = field(default="", metadata=unkeyed("the root's class name, for logs and explain"))
     # what compiles and calls write, and what explain prints: not part of a stored program's key

@@ -30,7 +30,7 @@ from graphshard.ops.dense import local_chunk
 from graphshard.checkpointing import Checkpoint, run_checkpointed
 from graphshard.params import AxisGroup
 from graphshard.plan import FullyShard, Plan, StridedShard, fqn_match, resolve
-from graphshard.sharding import FLAT_PARAM, FlatSlot, FlatUnit, ShardedModel, ShardedParam
+from graphshard.sharding import FLAT_PARAM, FlatSlot, FlatUnit, ShardedModel, ShardedParam, ShardedUnit
 from graphshard.styles import ModuleIO, layout_steps, placement_str
 
 _model_ids = itertools.count()
@@ -95,7 +95,7 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
 
     replacements: dict[int, nn.Parameter] = {}
     records: dict[str, ShardedParam] = {}
-    units: dict[str, list[str]] = {}
+    units: dict[str, ShardedUnit] = {}
     key_of: dict[int, str] = {}
     replaced_params: list[tuple[nn.Parameter, str]] = []
     for fqn, p in model.named_parameters():  # deduplicated by identity, in registration order
@@ -136,23 +136,26 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
         records[key] = record
         key_of[id(p)] = key
         if layout.unit is not None:
-            units.setdefault(layout.unit, []).append(key)
+            if layout.unit not in units:
+                units[layout.unit] = ShardedUnit(layout.unit, [], layout.unit_spec)
+            record.unit = units[layout.unit]
+            record.unit.keys.append(key)
         with torch.no_grad():
             dt = _distribute(p.detach() if p.is_meta else p.detach().to(device), record, plan)
         replacements[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
         replaced_params.append((p, fqn))
 
     modules = dict(model.named_modules())
-    flat = {unit: _flatten(modules[unit], [records[k] for k in keys], replacements, key_of)
-            for unit, keys in units.items() if getattr(records[keys[0]].layout.unit_spec, "flat_params", False)}
+    for unit in units.values():
+        if getattr(unit.spec, "flat_params", False):
+            unit.flat = _flatten(modules[unit.fqn], [records[k] for k in unit.keys], replacements, key_of)
     tp_axis = plan.tp_axis
     checkpoints = resolution.checkpoints
     casts = {}
     if cast_forward_inputs:
-        for unit, keys in units.items():
-            dtype = getattr(records[keys[0]].layout.unit_spec, "param_dtype", None)
-            if dtype is not None:
-                casts[id(modules[unit])] = dtype
+        for unit in units.values():
+            if unit.param_dtype is not None:
+                casts[id(modules[unit.fqn])] = unit.param_dtype
     for mod in model.modules():  # modules() deduplicates shared modules
         names = {}
         for pname, p in list(mod._parameters.items()):
@@ -171,7 +174,7 @@ def shard(model: nn.Module, plan: Plan, *, cast_forward_inputs: bool = True) -> 
         cast = casts.get(id(mod))
         if names or bound is not None or spec is not None or cast is not None or mod is model:
             _install(mod, params=names, io=bound, root=mod is model, checkpoint=spec, cast=cast)
-    state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups, flat=flat,
+    state = ShardedModel(plan=plan, model_id=model_id, params=records, units=units, axes=groups,
                          collections=list(collections), checkpointing=_checkpointing(model, resolution),
                          name=type(model).__name__)
     sharding.register(state)
@@ -219,7 +222,7 @@ def unshard(model: nn.Module, within: nn.Module | None = None) -> None:
     last one sharded and shards the merged plan). ``within``: a module holding ``model`` whose other
     modules may hold the same parameters (a tied weight); they get the whole parameter too."""
     state = state_of(model)
-    assert state is not None and not state.units and not state.flat and not state.collections, state
+    assert state is not None and not state.units and not state.collections, state
     for mod in getattr(state.dynamo_regions, "marked", ()):  # repeated blocks' region classes first
         mod.__class__ = type(mod).__bases__[0]
     whole: dict[int, nn.Parameter] = {}
@@ -303,7 +306,7 @@ def _flatten(module: nn.Module, records: list[ShardedParam], replacements: dict[
     fu = FlatUnit(module, slots)
     module._parameters[FLAT_PARAM] = nn.Parameter(data, requires_grad=tensors[0].requires_grad)
     for r, slot in zip(records, slots):
-        r.flat, r.slot = fu, slot
+        r.slot = slot
     return fu
 
 
@@ -558,7 +561,7 @@ def _record_eager_read(model: ShardedModel, key: str, reader: types.FrameType) -
     where = f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{reader.f_lineno})"
     model.eager_reads[key] = where
     unit = info.layout.unit
-    if unit is None or all(k == key or k not in model.eager_reads for k in model.units.get(unit, ())):
+    if unit is None or all(k == key or k not in model.eager_reads for k in model.units[unit].keys):
         log.warning("graphshard: %s of %s runs eagerly inside the compiled model: %s reads %s outside any compiled "
                     "graph (dynamo skipped the frame or was told not to trace it; TORCH_LOGS=graph_breaks says "
                     "why). Its parameters are gathered whole at each read and their gradients reduced eagerly; "

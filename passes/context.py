@@ -33,7 +33,7 @@ a plan without data-parallel units (tensor parallelism alone) into segments at t
 
 @dataclass
 class PassContext:
-    """What every pass may read, built once per graph by the backend (`backend.prepare`) from the
+    """What every pass may read, built once per graph by the backend (`compiler.prepare.trace`) from the
     sharded models the graph reads; passes record what they did in the outputs at the end."""
 
     config: CompileConfig

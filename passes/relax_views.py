@@ -12,7 +12,7 @@ copies only where it is not, so the rewrite changes nothing that ran before and 
 rest run. Only ``aten.view.default`` is rewritten: ``_unsafe_view`` is emitted on fresh
 contiguous results (a matmul's), where strides cannot differ.
 
-``lower="eager"`` runs the partitioned graphs through the same rewrite (``backend._as_fx``):
+``lower="eager"`` runs the partitioned graphs through the same rewrite (``aot._as_fx``):
 aot_autograd traced them with fake kernels, and an eager kernel may return other strides.
 """
 

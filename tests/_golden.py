@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 import graphshard
-from graphshard.compiler.backend import prepare
+from graphshard.compiler.prepare import prepare, trace
 from graphshard.config import CompileConfig
 from graphshard.passes._graph import fmt_placements, normalized_graph
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes
@@ -47,7 +47,7 @@ def graph_after(model, plan, inputs, upto: str, *, config: CompileConfig | None 
     if after_shard is not None:
         after_shard(model)
     gm, example_inputs = capture_dynamo(model, *inputs)
-    prepared = prepare(gm, example_inputs, config or CompileConfig(lower="eager"), (model._graphshard,))
+    prepared = trace(prepare(gm, example_inputs), config or CompileConfig(lower="eager"), (model._graphshard,))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
     assert upto in names, f"unknown pass {upto!r}; passes are {names}"

@@ -208,13 +208,13 @@ class Prelude(nn.Module):
 class TestRegions(TestCase):
     def _tagged(self, model, plan):
         from _golden import capture_dynamo
-        from graphshard.compiler.backend import prepare
+        from graphshard.compiler.prepare import prepare, trace
         from graphshard.config import CompileConfig
         from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 
         graphshard.shard(model, plan)
         gm, inputs = capture_dynamo(model, torch.randn(4, 8))
-        prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (model._graphshard,))
+        prepared = trace(prepare(gm, inputs), CompileConfig(lower="eager"), (model._graphshard,))
         g = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
         return {n.name: (n.meta["recompute"].name, n.meta.get("ac_graph_id")) for n in g.graph.nodes if "recompute" in n.meta}
 

@@ -139,6 +139,9 @@ def _private_torch_paths(tree, exported: dict[str, dict[str, str]]) -> set[str]:
                         aliases[f"{a.asname or a.name}.{name}"] = chain
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == "torch")
+        elif (isinstance(node, ast.Call) and _chain(node.func, {"importlib": "importlib"}) == "importlib.import_module"
+              and node.args and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("torch")):
+            found.add(node.args[0].value)  # a module loaded by name is reached all the same
     dotted = {k: v for k, v in aliases.items() if "." in k}  # _compat.c10d -> torch.ops._c10d_functional
     roots = {**aliases, **{k.split(".")[0]: k.split(".")[0] for k in dotted}}
     inner = set()  # attributes inside a longer chain: only the whole chain counts
@@ -179,3 +182,9 @@ def test_declared_list_covers_the_code():
             if not any(n == p or (n.startswith(p) and n[len(p)] in ".[{(:") for n in declared):
                 undeclared.setdefault(p, []).append(os.path.relpath(path, ROOT))
     assert not undeclared, f"declare these in probe.PRIVATE_APIS: {undeclared}"
+
+
+def test_a_module_loaded_by_name_is_seen_by_the_coverage_check():
+    tree = ast.parse("import importlib\n\ndef f():\n    impl = importlib.import_module('torch._higher_order_ops.x')\n"
+                     "    return impl.private_fn()\n")
+    assert _private_torch_paths(tree, {}) == {"torch._higher_order_ops.x"}

@@ -13,7 +13,7 @@ from expecttest import TestCase
 
 from _golden import compiled_stages
 from _models import fsdp_plan, stack
-from graphshard.compiler import backend
+from graphshard.compiler import aot
 from graphshard.passes import no_sync_programs
 from graphshard.params import AxisGroup
 
@@ -28,7 +28,7 @@ def _backward_and_roots(gloo_forms: bool):
         return roots
 
     real = no_sync_programs.root_reductions
-    with mock.patch.object(backend, "root_reductions", spy), \
+    with mock.patch.object(aot, "root_reductions", spy), \
             mock.patch.object(AxisGroup, "scatter_by_all_to_all", new_callable=mock.PropertyMock,
                               return_value=gloo_forms):
         plan = fsdp_plan()

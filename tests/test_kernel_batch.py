@@ -1,4 +1,4 @@
-"""C++ kernels built together (``inductor_cpu.batched_cpp_kernels``, opt-in through
+"""C++ kernels built together (``experimental.batched_cpp_kernels``, opt-in through
 ``CompileConfig.batch_cpp_kernels``): one library per generated module, one per deferred
 block, found again through the kernel index, and Inductor's own per-kernel build whenever
 the batch cannot take a kernel, on any other thread, and by default."""
@@ -15,7 +15,7 @@ from expecttest import TestCase
 import graphshard
 from _models import fsdp_plan, stack
 from graphshard import _compat
-from graphshard.compiler import inductor_cpu
+from graphshard.compiler import experimental, inductor_cpu
 
 
 def _two_kernels(x):
@@ -43,7 +43,7 @@ def _index(cache: str) -> dict[str, str]:
 
 def _compiled(fn, x, **batch):
     torch._dynamo.reset()
-    with inductor_cpu.batched_cpp_kernels(**batch):
+    with experimental.batched_cpp_kernels(**batch):
         return torch.compile(fn, backend="inductor")(x)
 
 
@@ -69,7 +69,7 @@ class KernelBatchTest(TestCase):
 
     def test_deferred_block_builds_once(self):
         torch._dynamo.reset()
-        with inductor_cpu.batched_cpp_kernels(defer=True):
+        with experimental.batched_cpp_kernels(defer=True):
             a = torch.compile(_two_kernels, backend="inductor")
             b = torch.compile(_other_kernels, backend="inductor")
             # Each compile runs its graph once; the kernels it calls build early, the rest at the end.
@@ -85,7 +85,7 @@ class KernelBatchTest(TestCase):
 
         decomp = _compat.inductor_decompositions()
         gms = [_compat.make_fx(fn, decomposition_table=decomp)(self.x) for fn in (_two_kernels, _other_kernels)]
-        with inductor_cpu.batched_cpp_kernels(defer=True):
+        with experimental.batched_cpp_kernels(defer=True):
             compiled = [compile_fx_inner(gm, [self.x]) for gm in gms]
         index = _index(self.cache)
         self.assertGreaterEqual(len(index), 4)
@@ -96,8 +96,8 @@ class KernelBatchTest(TestCase):
     def test_index_serves_a_second_compile(self):
         self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         built = []
-        real = inductor_cpu._build_kernels
-        with mock.patch.object(inductor_cpu, "_build_kernels", lambda ks, ids: built.append(len(ks)) or real(ks, ids)):
+        real = experimental._build_kernels
+        with mock.patch.object(experimental, "_build_kernels", lambda ks, ids: built.append(len(ks)) or real(ks, ids)):
             self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         self.assertEqual(built, [])
 
@@ -105,17 +105,17 @@ class KernelBatchTest(TestCase):
         def unparsable(kernels):
             raise ValueError("kernel argument type 'bool' is not one the batch parses")
 
-        with mock.patch.object(inductor_cpu, "_kernel_batch_source", unparsable):
+        with mock.patch.object(experimental, "_kernel_batch_source", unparsable):
             self.assert_matches(_compiled(_two_kernels, self.x), _two_kernels)
         self.assertEqual(_index(self.cache), {})
 
     def test_batch_source_names_each_kernel(self):
         src = 'extern "C" void kernel(const float* in_ptr0, float* out_ptr0, const int64_t ks0)\n{ }\n'
-        text = inductor_cpu._kernel_batch_source([(["const float*", "float*", "const int64_t"], src)] * 2)
+        text = experimental._kernel_batch_source([(["const float*", "float*", "const int64_t"], src)] * 2)
         self.assertIn("graphshard_k1::kernel_1(graphshard_arg_ptr<float*>(args, 0), "
                       "graphshard_arg_ptr<float*>(args, 1), graphshard_arg_int64(args, 2))", text)
         with pytest.raises(ValueError, match="'bool'"):
-            inductor_cpu._kernel_batch_source([(["bool"], src)])
+            experimental._kernel_batch_source([(["bool"], src)])
 
 
 def _third_kernels(x):
@@ -156,7 +156,7 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
     # completion on another thread. Its kernels are built by Inductor, not collected into
     # graphshard's batch; graphshard's are.
     added = []
-    add = inductor_cpu._KernelBatch.add
+    add = experimental._KernelBatch.add
 
     def tracked_add(self, argtypes, source):
         added.append(threading.get_ident())
@@ -171,12 +171,12 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
 
     def on_region(is_backward):
         if is_backward and "thread" not in other:
-            other["hooks"] = inductor_cpu.inductor_hooks_installed()
+            other["hooks"] = experimental.inductor_hooks_installed()
             t = threading.Thread(target=plain_compile)
             t.start()
             t.join()
 
-    with mock.patch.object(inductor_cpu._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
+    with mock.patch.object(experimental._KernelBatch, "add", tracked_add), _regions_compiled_with(on_region):
         model = stack()
         # program_cache=False: a program kept in the cache lowers its backward inside the forward's
         # compile, under dynamo's lock, which the other thread's compile would wait for
@@ -185,4 +185,4 @@ def test_plain_compile_on_another_thread_gets_inductors_own_build():
     assert other["hooks"] and other["ok"], other
     assert added and other["thread"] not in added
     assert threading.get_ident() in added
-    assert not inductor_cpu.inductor_hooks_installed()
+    assert not experimental.inductor_hooks_installed()

@@ -186,7 +186,7 @@ def test_the_rules_fire_on_planted_violations():
     planted = dict(modules)
     planted["graphshard.plan"] += "\ndef _f():\n    from graphshard.storage import shard\n"  # storage imports plan
     planted["graphshard.planning.cost"] += "\nfrom graphshard.compiler.backend import _trace_to_aten\n"
-    planted["graphshard.compiler.lowering"] += "\nfrom graphshard.compiler.backend import _strip_dtensor_boundary\n"
+    planted["graphshard.compiler.lowering"] += "\nfrom graphshard.compiler.prepare import _strip_dtensor_boundary\n"
     planted["graphshard.planning.auto_plan"] += "\nfrom graphshard.frontends.fsdp._common import clean_fqn\n"
     planted["graphshard.sparse.layout"] += '\nlib = torch.library.Library("graphshard", "FRAGMENT")\n'
     assert any({"graphshard.plan", "graphshard.storage"} <= set(c) for c in import_cycles(planted))

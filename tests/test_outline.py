@@ -18,7 +18,7 @@ from _golden import capture_dynamo, compiled_stages
 from _models import TINY, fsdp_plan, mesh1d, seeded
 import graphshard
 import graphshard.tensor_parallel as gtp
-from graphshard.compiler.backend import prepare
+from graphshard.compiler.prepare import prepare, trace
 from graphshard.compiler import outline
 from graphshard.compiler.outline import outline_units
 from graphshard.config import CompileConfig
@@ -31,7 +31,7 @@ DEEP = dataclasses.replace(TINY, n_layers=4)
 def outlined_graph(model, plan, inputs):
     graphshard.shard(model, plan)
     gm, example_inputs = capture_dynamo(model, *inputs)
-    prepared = prepare(gm, example_inputs, CompileConfig(lower="eager"), (model._graphshard,))
+    prepared = trace(prepare(gm, example_inputs), CompileConfig(lower="eager"), (model._graphshard,))
     g = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     return g, outline_units(g, prepared.ctx.params, prepared.ctx.input_requires_grad)
 

@@ -28,7 +28,7 @@ import graphshard
 from _golden import capture_dynamo
 from _launch import torchrun
 from graphshard import _compat, storage
-from graphshard.compiler.backend import prepare
+from graphshard.compiler.prepare import prepare, trace
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 from graphshard.compiler import program_cache
 from graphshard.report import GraphReport
@@ -159,7 +159,7 @@ def _key(model_fn=None, plan_fn=None, config=CompileConfig(), inputs=None, rank=
         model = (model_fn or _Blocks)()
         graphshard.shard(model, (plan_fn or _plan)())
         gm, example_inputs = capture_dynamo(model, *(inputs or (torch.randn(4, 16),)))
-        prepared = prepare(gm, example_inputs, config, (model._graphshard,))
+        prepared = trace(prepare(gm, example_inputs), config, (model._graphshard,))
         traced = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
         return program_cache.key_tag(traced, prepared.ctx, rank)
     finally:

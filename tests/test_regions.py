@@ -19,7 +19,7 @@ from _models import TINY, fsdp_plan, seeded
 import graphshard
 from graphshard import _compat
 from graphshard.compiler import regions
-from graphshard.compiler.backend import prepare
+from graphshard.compiler.prepare import prepare, trace
 from graphshard.config import CompileConfig
 from graphshard.passes.tag_recomputation import module_of
 from graphshard.testing.models import Block, Transformer, token_batch
@@ -43,9 +43,9 @@ def calls(gm) -> str:
 
 
 def traced(model, plan, x) -> tuple[str, object]:
-    """The logical ATen program the passes get (``prepare``), rendered, and its context."""
+    """The logical ATen program the passes get (``prepare``, ``trace``), rendered, and its context."""
     gm, example_inputs = capture_dynamo(model, x)
-    prepared = prepare(gm, example_inputs, CompileConfig(lower="eager"), (model._graphshard,))
+    prepared = trace(prepare(gm, example_inputs), CompileConfig(lower="eager"), (model._graphshard,))
     return render(prepared.graph, plan), prepared
 
 

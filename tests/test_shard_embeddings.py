@@ -36,7 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 from _golden import capture_dynamo, render  # noqa: E402
 import graphshard  # noqa: E402
 from graphshard import _compat  # noqa: E402
-from graphshard.compiler.backend import prepare  # noqa: E402
+from graphshard.compiler.prepare import prepare, trace  # noqa: E402
 from graphshard.config import CompileConfig  # noqa: E402
 from graphshard.model_parallel import DistributedModelParallel  # noqa: E402
 from graphshard.passes.pipeline import pre_autograd_passes, run_passes  # noqa: E402
@@ -91,7 +91,7 @@ def after_pass(tables, sharding, upto="shard_embeddings", ahead=None):
         attach(kjt, dmp._collections[0].layout.key, *ahead)
     with _compat.trace_data_dependent_outputs():
         gm, inputs = capture_dynamo(dmp.module, kjt)
-    prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (dmp.module._graphshard,))
+    prepared = trace(prepare(gm, inputs), CompileConfig(lower="eager"), (dmp.module._graphshard,))
     passes = pre_autograd_passes()
     names = [p.__name__ for p in passes]
     g = run_passes(prepared.graph, prepared.ctx, passes[: names.index(upto) + 1])

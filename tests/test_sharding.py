@@ -82,7 +82,7 @@ def test_one_record_per_parameter_with_its_views():
 def test_flat_unit_records_are_views_of_the_flat_parameter():
     plan = graphshard.Plan(mesh1d("dp"), {"": graphshard.FullyShard(flat_params=True)})
     model = graphshard.shard(mlp(), plan)
-    unit = model._graphshard.flat[""]
+    unit = model._graphshard.units[""].flat
     for record in model._graphshard.params.values():
         assert record.flat is unit and record.slot.key == record.key
         assert record.local().untyped_storage().data_ptr() == unit.param.untyped_storage().data_ptr()

@@ -9,13 +9,13 @@ from graphshard.testing.models import lm_loss, token_batch
 def _tags(text_model, plan):
     import graphshard
     from _golden import capture_dynamo
-    from graphshard.compiler.backend import prepare
+    from graphshard.compiler.prepare import prepare, trace
     from graphshard.config import CompileConfig
     from graphshard.passes.pipeline import pre_autograd_passes, run_passes
 
     graphshard.shard(text_model, plan)
     gm, inputs = capture_dynamo(text_model, torch.randn(4, 8))
-    prepared = prepare(gm, inputs, CompileConfig(lower="eager"), (text_model._graphshard,))
+    prepared = trace(prepare(gm, inputs), CompileConfig(lower="eager"), (text_model._graphshard,))
     g = run_passes(prepared.graph, prepared.ctx, pre_autograd_passes())
     return [f"{n.name}: {n.meta['recompute'].name}" for n in g.graph.nodes if "recompute" in n.meta]
 

@@ -22,7 +22,7 @@ before the trace, and each copy after its own block (`_name_layouts`).
 A copy's nodes share the traced body's node meta (the fake values among it); nothing in the
 passes keys on a fake value's identity. The markers in a body carry their model's key
 (`sharding.traced_key`); the backend puts each copy's parameter key back afterwards, from the
-DTensor its call passes (`backend._resolve_traced_keys`).
+DTensor its call passes (`prepare._resolve_traced_keys`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from graphshard import _compat
-from graphshard.compiler import inductor_cpu, program_cache
+from graphshard.compiler import experimental, program_cache
 from graphshard.report import add_compute, collective_kind, collective_of_wait
 from graphshard.compiler.outline import BODY
 from graphshard.ops.dense import gather_in_place, pack_into_slot
@@ -661,7 +661,7 @@ class RegionWork:
     body: str | None = None  # the trace-once body its first region was inlined from (`region_body`)
 
     def compile(self, *, batch: bool = False) -> Callable:
-        with inductor_cpu.batched_cpp_kernels(enabled=batch):  # its C++ kernels as one library (opt-in)
+        with experimental.batched_cpp_kernels(enabled=batch):  # its C++ kernels as one library (opt-in)
             return _compat.inductor_compile_region(self.module, self.inputs, is_backward=self.is_backward)
 
     def digest(self) -> str:
@@ -767,7 +767,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
         todo += sorted((w for k, w in (ahead or {}).items() if k not in work), key=lambda w: -w.cost)
         mine: list[str] = []
         try:
-            with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
+            with experimental.batched_cpp_kernels(enabled=batch, defer=True):  # one C++ build for all it claims
                 for w in todo:
                     if (w.is_backward, w.key) not in compiled and share.claim(w.digest()):
                         mine.append(w.digest())
@@ -776,7 +776,7 @@ def lower_regions(gm: fx.GraphModule, *, is_backward: bool, share: CompileShare 
             for digest in mine:  # done (or failed): no rank waits for it any longer
                 share.done(digest)
     deadline = share.deadline() if share is not None else 0.0
-    with inductor_cpu.batched_cpp_kernels(enabled=batch, defer=True):  # the rest (all of it without ``share``)
+    with experimental.batched_cpp_kernels(enabled=batch, defer=True):  # the rest (all of it without ``share``)
         for w in work.values():
             if (w.is_backward, w.key) not in compiled:
                 if share is not None:

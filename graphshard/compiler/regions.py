@@ -12,7 +12,7 @@ The backend traces each distinct body dynamo hands over to ATen once (`aten_trac
 its copies there (calls nested in other bodies are inlined before, `inline_regions`), so the
 passes, the scheduler and ``outline`` (which differentiates a unit's body once) see the graph a
 flat trace gives. The backend puts each marker's key back from the DTensor it reads
-(`backend._resolve_traced_keys`).
+(`prepare._resolve_traced_keys`).
 
 A plan without data-parallel units (tensor parallelism alone) marks the children of a
 ``ModuleList`` that declare layouts or hold tensor-parallel parameters. A declared layout is traced
@@ -55,6 +55,7 @@ class RegionMarks:
     def __init__(self):
         self.lines: list[str] = []
         self.marked: list[nn.Module] = []
+        self.units: list = []  # the marked modules' unit records (`sharding.ShardedUnit.body`)
 
     def __bool__(self) -> bool:
         return bool(self.lines)
@@ -63,7 +64,9 @@ class RegionMarks:
         """Gives every marked unit its class back and records why (the first line of ``error``)."""
         for mod in self.marked:
             mod.__class__ = type(mod).__bases__[0]
-        self.marked = []
+        for unit in self.units:
+            unit.body = None
+        self.marked, self.units = [], []
         why = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         self.lines = [f"dynamo traces every block: it could not capture a marked region whole ({why[:300]}); "
                       "graphshard unmarked the units and traced the call again"]
@@ -87,9 +90,13 @@ def mark_repeated_units(root: nn.Module, state: ShardedModel) -> RegionMarks:
             log.info("graphshard: dynamo traces each of the %d units like %s: %s", len(units), first, reason)
             continue
         region = _region_class(cls, len(units))
-        for _, mod in units:
+        body = f"{cls.__qualname__} x{len(units)}"
+        for fqn, mod in units:
             mod.__class__ = region
             marks.marked.append(mod)
+            if fqn in state.units:
+                state.units[fqn].body = body
+                marks.units.append(state.units[fqn])
         marks.lines.append(f"{first} x{len(units)}: dynamo traces one and reuses its trace where its guards hold")
     return marks
 
@@ -153,7 +160,7 @@ def _unmarkable(cls: type, units: list[tuple[str, nn.Module]], state: ShardedMod
     if hasattr(cls.forward, "__marked_compile_region_fn__"):
         return "its forward is a nested_compile_region of the user's"
     for fqn, mod in units:
-        if fqn in state.flat:
+        if fqn in state.units and state.units[fqn].flat is not None:
             return "its parameters live in a flat parameter"
         if any(k in mod.__dict__ for k in _WRAPPED):
             return "graphshard wraps its forward (a plan's Checkpoint, or the root)"

@@ -22,7 +22,7 @@ def clip_grad_norm(root, max_norm: float, norm_type: float = 2.0) -> torch.Tenso
             continue
         grads.append(g)
         (sharded if info.shard is not None else replicated).append(g)
-    managed = {id(p) for p in model.parameters() if isinstance(p, DTensor)} | {id(f.param) for f in state.flat.values()}
+    managed = {id(p) for p in model.parameters() if isinstance(p, DTensor)} | {id(u.flat.param) for u in state.units.values() if u.flat is not None}
     for p in model.parameters():  # ignored parameters: local, counted once per rank (as torch's FSDP)
         if id(p) not in managed and p.grad is not None:
             grads.append(p.grad)

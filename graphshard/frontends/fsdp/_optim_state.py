@@ -51,7 +51,7 @@ def _entries(model: nn.Module) -> dict[int, _Entry]:
         pre = clean_fqn(name) + "." if clean_fqn(name) else ""
         state, inner = root._graphshard, root._fsdp_wrapped_module
         in_flat = set()
-        for unit in state.flat.values():
+        for unit in (u.flat for u in state.units.values() if u.flat is not None):
             infos = [state.params[s.key] for s in unit.slots]
             in_flat.update(s.key for s in unit.slots)
             out[id(unit.param)] = _Entry(unit.param, [clean_fqn(pre + i.fqn) for i in infos], infos, unit.slots)

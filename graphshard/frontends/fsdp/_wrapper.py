@@ -158,8 +158,8 @@ class FullyShardedDataParallel(StateDictMixin, OptimStateMixin, nn.Module):
             raise ValueError(f"{type(module).__name__} has no parameters to shard; FullyShardedDataParallel needs some")
         self._graphshard = state
         for fqn, dtype in low_precision_grads.items():
-            if fqn in state.flat:
-                state.flat[fqn].param.register_post_accumulate_grad_hook(functools.partial(_keep_grad_in, dtype))
+            if fqn in state.units and state.units[fqn].flat is not None:
+                state.units[fqn].flat.param.register_post_accumulate_grad_hook(functools.partial(_keep_grad_in, dtype))
         self._config.plan = plan
         state.preamble.extend(ModelFallback(note) for note in self._config.notes)
         self._unit_fqn = ""
