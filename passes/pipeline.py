@@ -19,7 +19,7 @@ from graphshard.passes.schedule_overlap import schedule_overlap
 from graphshard.passes.shard_embeddings import shard_embeddings
 from graphshard.passes.tag_recomputation import tag_recomputation
 
-__all__ = ["Pass", "PassContext", "op_counts", "post_partition_passes", "pre_autograd_passes", "run_passes"]
+__all__ = ["Pass", "PassContext", "dump_graph", "op_counts", "post_partition_passes", "pre_autograd_passes", "run_passes"]
 
 
 def pre_autograd_passes() -> list[Pass]:
@@ -64,6 +64,14 @@ def _run(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass]) -> fx.GraphMo
             log.info("%s[%s]: op-count diff %s", p.__name__, ctx.stage, diff)
     gm.recompile()
     return gm
+
+
+def dump_graph(ctx: PassContext, name: str, gm: fx.GraphModule) -> None:
+    """With ``dump_graphs``: ``gm`` as a graph rewrite outside the pass lists left it (a backend
+    stage: outlining, the in-place gathers of a graph lowered whole), numbered in the stage's
+    sequence like a pass's dump."""
+    if ctx.config.dump_graphs:
+        _dump(ctx, name, "after", gm)
 
 
 def _dump(ctx: PassContext, name: str, when: str, gm: fx.GraphModule, diff: dict | None = None) -> None:

@@ -411,3 +411,44 @@ eager(1 in, 1 out): add""")
                     listings[stage] = [l for l in f.read().splitlines() if l.startswith("all_reduce")]
         self.assertEqual(listings["forward"], ["all_reduce (in place)"] * 2)
         self.assertEqual(listings["backward"], ["all_reduce (in place)"] * 2)
+
+
+class TestFusePackedGathers(TestCase):
+    def test_each_packed_gather_becomes_one_in_place_gather(self):
+        # a graph Inductor lowers whole: each unit's pack + all-gather (bucket_collectives) becomes one
+        # graphshard::pack_gather whose output the same wait_tensor waits on; nothing else changes
+        from unittest import mock
+
+        from _golden import compiled_stages
+        from graphshard.compiler import aot
+        from graphshard.compiler.lowering import fuse_packed_gathers
+
+        seen = {}
+        real = aot.Compilation.post_partition
+
+        def spy(self, g, stage):
+            seen[stage] = real(self, g, stage)
+            return seen[stage]
+
+        plan = fsdp_plan()
+        with mock.patch.object(aot.Compilation, "post_partition", spy):
+            compiled_stages(stack(), plan, (torch.randn(4, 8),))
+        group = plan.mesh.get_group("dp").group_name
+        fw = seen["forward"]
+        before = {str(n.target) for n in fw.graph.nodes if n.op == "call_function"}
+        fused = fuse_packed_gathers(fw)
+        after = {str(n.target) for n in fused.graph.nodes if n.op == "call_function"}
+        self.assertEqual(sorted(before ^ after), ["_c10d_functional.all_gather_into_tensor.default",
+                                                  "graphshard.pack.default", "graphshard.pack_gather.default"])
+        lines = [line.strip().replace(f"'{group}'", "'dp'") for line in fused.code.splitlines()
+                 if "pack_gather" in line or "wait_tensor" in line]
+        self.assertExpectedInline("\n".join(lines), """\
+pack_gather_default = torch.ops.graphshard.pack_gather.default([primals_1], [16], torch.float32, 4, 'dp')
+wait_tensor = torch.ops._c10d_functional.wait_tensor.default(pack_gather_default);  pack_gather_default = None
+pack_gather_default_1 = torch.ops.graphshard.pack_gather.default([primals_3], [16], torch.float32, 4, 'dp')
+unpack = torch.ops.graphshard.unpack.default(wait_tensor, 4, [16]);  wait_tensor = None
+wait_tensor_1 = torch.ops._c10d_functional.wait_tensor.default(pack_gather_default_1);  pack_gather_default_1 = None
+pack_gather_default_2 = torch.ops.graphshard.pack_gather.default([primals_4], [16], torch.float32, 4, 'dp')
+unpack_1 = torch.ops.graphshard.unpack.default(wait_tensor_1, 4, [16]);  wait_tensor_1 = None
+wait_tensor_2 = torch.ops._c10d_functional.wait_tensor.default(pack_gather_default_2);  pack_gather_default_2 = None
+unpack_2 = torch.ops.graphshard.unpack.default(wait_tensor_2, 4, [16]);  wait_tensor_2 = None""")

@@ -62,6 +62,24 @@ _graphshard_unit_body_0(13 inputs) -> 1 outputs""")
         keys = next(n for n in body.graph.nodes if n.op == "call_function").args[1]
         self.assertTrue(all(k.split("/", 1)[1].startswith("layers.0.") for k in keys), keys)
 
+    def test_dump_graphs_writes_the_outlined_graph(self):
+        import glob
+        import os
+        import tempfile
+
+        x, _ = token_batch(0, 2, 8, 32)
+        model = seeded(Transformer, DEEP)
+        with tempfile.TemporaryDirectory() as d:
+            graphshard.compile(model, fsdp_plan(), lower="eager", dump_graphs=d, trace_once=True)
+            model(x).sum().backward()
+            files = glob.glob(os.path.join(d, "g0_pre_autograd_*_outline_units_after.txt"))
+            self.assertEqual(len(files), 1, sorted(os.listdir(d)))
+            with open(files[0]) as f:
+                text = f.read()
+            calls_made = [line for line in text.splitlines() if "call_body(" in line]
+            self.assertEqual(len(calls_made), 4, text[-3000:])  # the four blocks, each a call of the one body
+            self.assertEqual(len({line.split("'")[1] for line in calls_made}), 1, calls_made)  # one identifier
+
     def test_partitioned_programs_keep_the_flat_ones_collectives_and_matmuls(self):
         # what aot_autograd hands on (forward and backward after the post-partition passes) has the
         # flat program's collectives in the same scheduled order, each annotated with its own unit

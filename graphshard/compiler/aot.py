@@ -40,7 +40,7 @@ from graphshard.compiler import (collective_check, compile_share, experimental, 
 from graphshard.compiler.lowering import fuse_packed_gathers, lower_regions, plan_regions, whole_graph_reason
 from graphshard.ops.dense import decompositions
 from graphshard.passes.no_sync_programs import root_reductions
-from graphshard.passes.pipeline import PassContext, post_partition_passes, run_passes
+from graphshard.passes.pipeline import PassContext, dump_graph, post_partition_passes, run_passes
 from graphshard.passes.relax_views import relax_views
 from graphshard.report import add_compute, collective_kind
 
@@ -227,6 +227,7 @@ class Compilation:
                 lowered.kept_backward = _compat.graph_to_bytes(g, program_cache.BACKWARD_META)
             with _compat.inductor_config_patch(**INDUCTOR_SETTINGS, **_cpu_settings(inputs, config)):
                 g = fuse_packed_gathers(g)
+                dump_graph(ctx, "fuse_packed_gathers", g)
                 lowered.program = compile_share.shared_whole_graph(
                     self.share, g, inputs, is_backward,
                     lambda: _whole_graph_compile(g, inputs, is_backward, config.batch_cpp_kernels))

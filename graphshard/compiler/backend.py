@@ -31,7 +31,7 @@ from graphshard.compiler.prepare import Prepared, prepare, trace
 from graphshard.config import CompileConfig
 from graphshard.ops.dense import compiling
 from graphshard.ops.rng import KeyStream
-from graphshard.passes.pipeline import PassContext, pre_autograd_passes, run_passes
+from graphshard.passes.pipeline import PassContext, dump_graph, pre_autograd_passes, run_passes
 from graphshard.report import GraphReport
 from graphshard.sharding import ShardedModel
 
@@ -97,6 +97,7 @@ def outline_stage(gm: fx.GraphModule, ctx: PassContext) -> outline.Outlined:
         ctx.report.compile_seconds["outline"] = time.perf_counter() - start
         if outlined.units:
             ctx.report.notes.append(f"trace once: {outlined.describe()}")
+            dump_graph(ctx, "outline_units", gm)
     ctx.report.outlined = outlined
     return outlined
 
