@@ -54,7 +54,9 @@ ARCHS: dict[str, Arch] = {
     "granite": Arch("granite", tp=LLAMA_TP, fsdp_tp=True),
     "stablelm": Arch("stablelm", overrides=dict(num_key_value_heads=4), tp=LLAMA_TP, fsdp_tp=True),
     "smollm3": Arch("smollm3", tp=LLAMA_TP, fsdp_tp=True),
-    "phi3": Arch("phi3", tp={"**.self_attn.o_proj": "row", "**.mlp.down_proj": "row"}),
+    # phi3's q/k/v and gate/up projections are fused and left whole: the row-parallel layers get the whole
+    # activation on every rank (input_layouts=Replicate(); torch's default Shard(-1) would read it as a piece)
+    "phi3": Arch("phi3", tp={"**.self_attn.o_proj": "row_rep", "**.mlp.down_proj": "row_rep"}),
     "mixtral": Arch("mixtral", overrides=dict(num_local_experts=4, num_experts_per_tok=2),
                     tp={**ATTN_TP, **EXPERTS_TP}, fsdp_tp=True),
     "qwen2_moe": Arch("qwen2_moe", overrides=dict(num_experts=4, num_experts_per_tok=2,
@@ -147,6 +149,10 @@ def tp_styles(name: str, styles) -> dict:
             out[glob] = styles.ColwiseParallel()
         elif kind == "row":
             out[glob] = styles.RowwiseParallel()
+        elif kind == "row_rep":  # the input is whole on every rank: each rank takes its piece of it
+            from torch.distributed.tensor import Replicate
+
+            out[glob] = styles.RowwiseParallel(input_layouts=Replicate())
         elif kind == "experts":
             out[glob] = experts_style()
         else:  # GPT-2's Conv1D keeps its weight as (in, out): column-parallel shards dim 1
